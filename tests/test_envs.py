@@ -1,0 +1,395 @@
+"""The games: Frozen Lake against Gymnasium itself, Snake's rules, the invalid-action rule, errors."""
+
+from collections import Counter, defaultdict
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.envs.toy_text.frozen_lake import MAPS, generate_random_map
+
+import envs
+
+CLASSIC = MAPS["4x4"]
+RANDOM_MAPS = [generate_random_map(size=size, p=0.8, seed=seed) for size in (4, 5, 8) for seed in range(8)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen Lake against Gymnasium's FrozenLake-v1
+# ---------------------------------------------------------------------------------------------
+
+
+def gym_transition_table(map_rows, slippery):
+    """Gymnasium's own P[s][a] = [(prob, next_state, reward, terminated)]."""
+    return gym.make("FrozenLake-v1", desc=map_rows, is_slippery=slippery).unwrapped.P
+
+
+def summed(outcomes):
+    """Gymnasium lists an outcome twice when two slip directions land on the same cell."""
+    total = defaultdict(float)
+    for prob, state in outcomes:
+        total[state] += prob
+    return dict(total)
+
+
+@pytest.mark.parametrize("slippery", [False, True])
+@pytest.mark.parametrize("map_rows", [CLASSIC, MAPS["8x8"]] + RANDOM_MAPS)
+def test_frozen_lake_transitions_equal_gymnasium(map_rows, slippery):
+    ncol = len(map_rows[0])
+    P = gym_transition_table(map_rows, slippery)
+    for state, by_action in P.items():
+        row, col = divmod(state, ncol)
+        for action, gym_outcomes in by_action.items():
+            ours = envs.frozen_lake_transitions(map_rows, (row, col), action, slippery)
+            ours = summed([(prob, r * ncol + c) for prob, (r, c) in ours])
+            theirs = summed([(prob, next_state) for prob, next_state, _, _ in gym_outcomes])
+            assert ours.keys() == theirs.keys()
+            assert all(abs(ours[s] - theirs[s]) < 1e-12 for s in ours)
+            if map_rows[row][col] in "HG":
+                continue  # absorbing; our episode has ended before such a step
+            for _, next_state, reward, terminated in gym_outcomes:
+                tile = map_rows[next_state // ncol][next_state % ncol]
+                assert reward == (1.0 if tile == "G" else 0.0)
+                assert terminated == (tile in "HG")
+
+
+@pytest.mark.parametrize("map_rows", [CLASSIC] + RANDOM_MAPS[:4])
+def test_frozen_lake_step_follows_gymnasium_table(map_rows):
+    """The env's sampled moves land only where Gymnasium's P allows, with its frequencies,
+    rewards and termination flags."""
+    ncol = len(map_rows[0])
+    P = gym_transition_table(map_rows, slippery=True)
+    env = envs.make("frozen_lake", map=map_rows, slippery=True, max_steps=50)
+    rng = np.random.default_rng(0)
+    counts = defaultdict(Counter)
+    for seed in range(600):
+        _, info = env.reset(seed=seed)
+        done = False
+        while not done:
+            state = info["position"][0] * ncol + info["position"][1]
+            action = int(rng.integers(4))
+            _, reward, terminated, truncated, info = env.step(action)
+            next_state = info["position"][0] * ncol + info["position"][1]
+            allowed = {s: (r, t) for _, s, r, t in P[state][action]}
+            assert next_state in allowed
+            assert (reward, terminated) == allowed[next_state]
+            counts[state, action][next_state] += 1
+            done = terminated or truncated
+    for (state, action), seen in counts.items():
+        n = sum(seen.values())
+        expected = summed([(p, s) for p, s, _, _ in P[state][action]])
+        for next_state, prob in expected.items():
+            assert abs(seen[next_state] / n - prob) < 5 * np.sqrt(prob * (1 - prob) / n) + 1e-9
+
+
+def gym_optimal_success(map_rows, slippery):
+    """An independent value iteration, written from Gymnasium's own P with plain loops."""
+    P = gym_transition_table(map_rows, slippery)
+    flat = "".join(map_rows)
+    value = [1.0 if tile == "G" else 0.0 for tile in flat]
+    for _ in range(100_000):
+        new = [value[s] if flat[s] in "GH" else
+               max(sum(p * value[s2] for p, s2, _, _ in P[s][a]) for a in range(4))
+               for s in range(len(flat))]
+        change = max(abs(a - b) for a, b in zip(new, value))
+        value = new
+        if change < 1e-14:
+            break
+    return value[flat.index("S")]
+
+
+def test_optimal_success_probability_of_classic_slippery_map_matches_gymnasium_table():
+    ours, _ = envs.frozen_lake_values(CLASSIC, slippery=True)
+    theirs = gym_optimal_success(CLASSIC, slippery=True)
+    assert abs(ours - theirs) < 1e-6
+    assert abs(ours - 14 / 17) < 1e-6  # 0.8235...: both computations land on 14/17
+
+
+@pytest.mark.parametrize("map_rows", [MAPS["8x8"]] + RANDOM_MAPS[::5])
+def test_optimal_success_probability_matches_gymnasium_table_on_other_maps(map_rows):
+    for slippery in (False, True):
+        ours, _ = envs.frozen_lake_values(map_rows, slippery)
+        assert abs(ours - gym_optimal_success(map_rows, slippery)) < 1e-6
+
+
+def policy_success(map_rows, slippery, policy, horizon=5000):
+    """Exact probability that a fixed policy reaches the goal within `horizon` steps."""
+    flat = "".join(map_rows)
+    goal = np.array([tile == "G" for tile in flat], float)
+    T = envs.frozen_lake_transition_tensor(map_rows, slippery)
+    T_policy = T[np.arange(len(flat)), policy.ravel()]  # [s, s'] under the policy
+    value = goal.copy()
+    for _ in range(horizon):
+        value = np.where(goal == 1, 1.0, T_policy @ value)
+    return value[flat.index("S")]
+
+
+@pytest.mark.parametrize("map_rows", [CLASSIC, MAPS["8x8"]] + RANDOM_MAPS[::3])
+@pytest.mark.parametrize("slippery", [False, True])
+def test_value_iteration_policy_achieves_the_optimal_success_probability(map_rows, slippery):
+    """Guards the tie-break: with no discount, bumping into a wall for ever also 'keeps V'."""
+    best, policy = envs.frozen_lake_values(map_rows, slippery)
+    achieved = policy_success(map_rows, slippery, policy)
+    assert abs(achieved - best) < 1e-6
+
+
+def test_value_iteration_on_unsolvable_and_solvable_maps():
+    assert envs.frozen_lake_values(["SH", "HG"], slippery=False)[0] == 0.0
+    for map_rows in RANDOM_MAPS:  # Gymnasium's generator guarantees a path
+        assert abs(envs.frozen_lake_values(map_rows, slippery=False)[0] - 1.0) < 1e-9
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen Lake as a text game
+# ---------------------------------------------------------------------------------------------
+
+
+def test_random_maps_come_from_gymnasium_generator_and_follow_the_seed():
+    env = envs.make("frozen_lake", size=5)
+    _, info = env.reset(seed=123)
+    assert info["map"] == generate_random_map(size=5, p=0.8, seed=123)
+    assert env.reset(seed=123)[0] == env.reset(seed=123)[0]
+    assert len({tuple(env.reset(seed=seed)[1]["map"]) for seed in range(20)}) > 10
+
+
+def test_classic_map_and_given_map():
+    assert envs.make("frozen_lake", map="classic").reset(seed=5)[1]["map"] == CLASSIC
+    _, info = envs.make("frozen_lake", map=["FFS", "HFG"]).reset()
+    assert info["position"] == (0, 2)
+
+
+def test_frozen_lake_goal_hole_and_info():
+    env = envs.make("frozen_lake", map=["SG"])
+    obs, info = env.reset(seed=0)
+    assert info == {"position": (0, 0), "map": ["SG"], "slippery": False, "success": False,
+                    "invalid": False, "steps": 0}
+    _, reward, terminated, truncated, info = env.step(env.actions.index("right"))
+    assert (reward, terminated, truncated, info["success"]) == (1.0, True, False, True)
+    env = envs.make("frozen_lake", map=["SHG"])
+    env.reset(seed=0)
+    _, reward, terminated, _, info = env.step(env.actions.index("right"))
+    assert (reward, terminated, info["success"], info["position"]) == (0.0, True, False, (0, 1))
+
+
+def test_frozen_lake_observation_text():
+    env = envs.make("frozen_lake", map="classic")
+    obs, _ = env.reset(seed=0)
+    assert env.rules in obs
+    assert "Actions: left, down, right, up." in obs
+    assert "You are at (row 0, col 0). Goal at (row 3, col 3)." in obs
+    assert "Holes at (1,1), (1,3), (2,3), (3,0)." in obs
+    assert "P F F F\nF H F H\nF F F H\nH F F G" in obs
+    assert "P = you" in obs and "H = hole" in obs
+    assert "<action>" not in obs  # the response format is the agent's business
+    assert "slippery" not in obs
+    assert "slippery" in envs.make("frozen_lake", slippery=True).rules
+    assert env.actions == ["left", "down", "right", "up"]
+
+
+def test_frozen_lake_invalid_action_stays_put_with_penalty():
+    env = envs.make("frozen_lake", map="classic", invalid_penalty=-0.5)
+    env.reset(seed=0)
+    _, reward, terminated, truncated, info = env.step(None)
+    assert info["position"] == (0, 0)
+    assert (reward, terminated, truncated, info["invalid"], info["steps"]) == (-0.5, False, False, True, 1)
+    _, reward, _, _, info = env.step(env.actions.index("right"))
+    assert (reward, info["invalid"], info["position"]) == (0.0, False, (0, 1))
+    env = envs.make("frozen_lake")
+    env.reset(seed=0)
+    assert env.step(None)[1] == pytest.approx(-0.1)  # the default penalty
+
+
+def test_frozen_lake_truncates_at_max_steps():
+    env = envs.make("frozen_lake", map="classic", max_steps=3)
+    env.reset(seed=0)
+    results = [env.step(env.actions.index("left")) for _ in range(3)]
+    assert [r[3] for r in results] == [False, False, True]
+    assert not any(r[2] for r in results)
+    assert envs.make("frozen_lake").max_steps == 16
+    assert envs.make("snake").max_steps == 100
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_env_lists_valid_envs():
+    with pytest.raises(ValueError) as error:
+        envs.make("frozen_pond")
+    for name in envs.ENV_NAMES:
+        assert name in str(error.value)
+    assert envs.ENV_NAMES == ("frozen_lake", "snake", "snake_poison_apple")
+
+
+@pytest.mark.parametrize("name, bad_option, valid_option", [
+    ("frozen_lake", "slipery", "slippery"), ("snake", "bananas", "apples"),
+    ("snake_poison_apple", "slippery", "bananas")])
+def test_unknown_option_lists_valid_options(name, bad_option, valid_option):
+    with pytest.raises(ValueError) as error:
+        envs.make(name, **{bad_option: True})
+    assert bad_option in str(error.value) and valid_option in str(error.value)
+
+
+@pytest.mark.parametrize("bad", [dict(size=0), dict(max_steps=0), dict(map="huge"),
+                                 dict(map=["SF", "FFF"]), dict(map=["FF", "FG"]), dict(map=["SX", "FG"])])
+def test_bad_option_values_raise(bad):
+    with pytest.raises(ValueError):
+        envs.make("frozen_lake", **bad)
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_bad_actions_and_finished_episodes_raise(name):
+    env = envs.make(name, max_steps=1)
+    with pytest.raises(RuntimeError):
+        env.step(0)  # before reset
+    env.reset(seed=0)
+    for bad in (-1, 4, 10, "left", 1.0):
+        with pytest.raises(ValueError):
+            env.step(bad)
+    *_, terminated, truncated, _ = env.step(env.actions.index("up"))
+    assert terminated or truncated
+    with pytest.raises(RuntimeError):
+        env.step(0)
+    env.reset(seed=1)
+    env.step(np.int64(0))  # numpy ints are fine
+
+
+# ---------------------------------------------------------------------------------------------
+# Snake
+# ---------------------------------------------------------------------------------------------
+
+UP, RIGHT, DOWN, LEFT = (envs.SNAKE_ACTIONS.index(a) for a in ("up", "right", "down", "left"))
+
+
+def snake_env(name="snake", **options):
+    """A snake heading right with its head at (5, 5) and no fruit, to set up scenes by hand."""
+    env = envs.make(name, **{"apples": 0, **options})
+    env.reset(seed=0)
+    env.snake = [(5, 5), (5, 4), (5, 3)]
+    env.direction = RIGHT
+    return env
+
+
+def test_snake_apple_makes_it_grow_and_respawns():
+    env = snake_env(apples=1)
+    env.apples = [(5, 6)]
+    _, reward, terminated, _, info = env.step(RIGHT)
+    assert (reward, terminated, info["apples_eaten"]) == (1.0, False, 1)
+    assert info["snake"] == [(5, 6), (5, 5), (5, 4), (5, 3)]
+    assert len(info["apples"]) == 1 and info["apples"][0] not in info["snake"]
+    _, reward, _, _, info = env.step(RIGHT)  # no apple: same length, tail follows
+    assert reward == 0.0 and info["snake"] == [(5, 7), (5, 6), (5, 5), (5, 4)]
+
+
+def test_snake_dies_on_wall():
+    env = snake_env()
+    for _ in range(4):  # (5,6) .. (5,9) are on the 10x10 board
+        assert env.step(RIGHT)[2] is False
+    _, reward, terminated, _, info = env.step(RIGHT)
+    assert (reward, terminated, info["died"], info["success"]) == (-1.0, True, True, False)
+
+
+def test_snake_dies_on_own_body_but_may_follow_its_tail():
+    env = snake_env()
+    env.snake = [(5, 5), (5, 4), (6, 4), (6, 5), (6, 6)]  # moving down hits (6,5), not the tail
+    _, reward, terminated, _, info = env.step(DOWN)
+    assert (reward, terminated, info["died"]) == (-1.0, True, True)
+    env = snake_env()
+    env.snake = [(5, 5), (5, 4), (6, 4), (6, 5)]  # (6,5) is the tail: it moves away this step
+    _, _, terminated, _, info = env.step(DOWN)
+    assert not terminated and info["snake"] == [(6, 5), (5, 5), (5, 4), (6, 4)]
+
+
+def test_snake_dies_on_the_opponent():
+    env = snake_env(opponent=True)
+    env.opponent = [(5, 6), (4, 6), (3, 6)]
+    _, reward, terminated, _, info = env.step(RIGHT)
+    assert (reward, terminated, info["died"]) == (-1.0, True, True)
+
+
+def test_snake_invalid_and_reversal_keep_going_with_penalty():
+    env = snake_env()
+    _, reward, _, _, info = env.step(None)
+    assert info["invalid"] and reward == pytest.approx(-0.1) and info["snake"][0] == (5, 6)
+    _, reward, _, _, info = env.step(LEFT)  # straight back into the neck: illegal
+    assert info["invalid"] and reward == pytest.approx(-0.1) and info["snake"][0] == (5, 7)
+    assert env.parse_action("<action>left</action>") == LEFT  # the parser still reads it
+    _, reward, _, _, info = env.step(UP)
+    assert not info["invalid"] and reward == 0.0 and info["direction"] == "up"
+
+
+def test_poison_apples_cost_one_and_bananas_pay_one():
+    env = snake_env("snake_poison_apple", bananas=1)
+    env.apples, env.bananas = [(5, 6)], [(5, 7)]
+    assert env.step(RIGHT)[1] == -1.0
+    _, reward, _, _, info = env.step(RIGHT)
+    assert reward == 1.0 and info["bananas_eaten"] == 1 and len(info["snake"]) == 5
+    assert "poison" in env.rules and "banana" in env.rules.lower()
+    assert "poison" not in envs.make("snake").rules
+
+
+def test_step_reward_is_added_every_step():
+    env = snake_env(step_reward=-0.01)
+    assert env.step(RIGHT)[1] == pytest.approx(-0.01)
+
+
+def play_random(env, seed, check=None):
+    rng = np.random.default_rng(seed)
+    obs, info = env.reset(seed=seed)
+    trace = [obs]
+    done = False
+    while not done:
+        obs, reward, terminated, truncated, info = env.step(int(rng.integers(4)))
+        trace.append((obs, reward))
+        if check:
+            check(env, info)
+        done = terminated or truncated
+    return trace
+
+
+def test_snake_cells_never_overlap_in_random_play():
+    def check(env, info):
+        own, other = info["snake"], info["opponent"] or []
+        fruit = info["apples"] + info["bananas"]
+        assert len(set(own)) == len(own) and len(set(other)) == len(other)
+        assert not set(own) & set(other)
+        assert len(set(fruit)) == len(fruit) and not set(fruit) & (set(own) | set(other))
+        assert all(envs.on_board(cell, info["size"]) for cell in own + other + fruit)
+        assert len(info["apples"]) == 5 and len(info["bananas"]) == 2
+
+    for seed in range(40):
+        play_random(envs.make("snake_poison_apple", opponent=True, bananas=2, size=6), seed, check)
+
+
+def test_opponent_moves():
+    env = envs.make("snake", opponent=True)
+    _, info = env.reset(seed=3)
+    start = info["opponent"]
+    _, _, _, _, info = env.step(None)
+    assert info["opponent"] != start
+
+
+def test_same_seed_same_game():
+    for name in envs.ENV_NAMES:
+        options = {} if name == "frozen_lake" else {"opponent": True}
+        assert play_random(envs.make(name, **options), 7) == play_random(envs.make(name, **options), 7)
+    snake = envs.make("snake")
+    assert snake.reset(seed=1)[1]["apples"] != snake.reset(seed=2)[1]["apples"]
+
+
+def test_snake_observation_text():
+    env = envs.make("snake_poison_apple", opponent=True, bananas=1)
+    obs, info = env.reset(seed=0)
+    assert "Actions: up, right, down, left." in obs
+    assert "Your snake: head at (row 7, col 5), moving right; body (7,4), (7,3)." in obs
+    assert "Apples at " in obs and "Bananas at " in obs and "Other snake" in obs
+    assert "H = your head" in obs and "X = other snake" in obs
+    rows = obs.split("= empty):\n")[1].split("\n")[:10]
+    assert rows[7].split()[3:6] == ["S", "S", "H"]
+    assert "<action>" not in obs
+
+
+def test_bfs_avoids_poison_apples_and_eats_bananas():
+    env = snake_env("snake_poison_apple", bananas=1)
+    env.apples, env.bananas = [(5, 6)], [(3, 5)]
+    assert env.actions[envs.snake_bfs_action(env.info(False))] == "up"

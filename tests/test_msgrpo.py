@@ -1,0 +1,308 @@
+"""MS-GRPO's math against hand-computed values, and the trainer on the tiny model."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import envs
+import msgrpo
+
+# --- returns and group advantages --------------------------------------------------------------
+
+
+def test_episode_returns_are_undiscounted_sums():
+    returns = msgrpo.episode_returns([[0, 0, 1], [-0.1, 0.0], [], [0.5, -0.1, -0.1, 1.0]])
+    np.testing.assert_allclose(returns, [1.0, -0.1, 0.0, 1.3])
+
+
+def test_group_advantages_normalise_within_each_group():
+    returns = [1.0, 0.0, 0.0, 0.0, 3.0, 1.0]
+    groups = [0, 0, 0, 0, 1, 1]
+    # group 0: mean 0.25, population std sqrt(3/16); group 1: mean 2, std 1
+    std0 = math.sqrt(3 / 16)
+    expected = [0.75 / std0, -0.25 / std0, -0.25 / std0, -0.25 / std0, 1.0, -1.0]
+    np.testing.assert_allclose(msgrpo.group_advantages(returns, groups, eps=0.0), expected)
+    np.testing.assert_allclose(msgrpo.group_advantages(returns, groups, eps=1e-6),
+                               [e * s / (s + 1e-6) for e, s in zip(expected, [std0] * 4 + [1, 1])])
+
+
+def test_group_advantages_without_std_scaling_are_centred_returns():
+    advantages = msgrpo.group_advantages([1.0, 0.0, 3.0, 1.0], [0, 0, 1, 1], scale=False)
+    np.testing.assert_allclose(advantages, [0.5, -0.5, 1.0, -1.0])
+
+
+def test_zero_variance_group_gets_exactly_zero_and_is_counted():
+    # 0.1 three times has a floating-point mean that is not exactly 0.1: still exactly zero advantage
+    returns = [0.1, 0.1, 0.1, 1.0, 0.0, 0.0]
+    groups = [7, 7, 7, 3, 3, 3]
+    advantages = msgrpo.group_advantages(returns, groups)
+    assert np.all(advantages[:3] == 0.0)
+    assert np.all(advantages[3:] != 0.0)
+    assert msgrpo.zero_variance_groups(returns, groups) == 1
+
+
+def test_groups_are_not_mixed_by_order():
+    """Group ids, not positions, define the groups (interleaved ids give the same result)."""
+    a = msgrpo.group_advantages([1, 0, 5, 3], [0, 1, 0, 1])
+    np.testing.assert_allclose(a, [-1, -1, 1, 1], atol=1e-5)
+
+
+# --- AAW sampling ------------------------------------------------------------------------------
+
+
+def test_aaw_never_draws_zero_advantage_episodes_and_caps_k():
+    advantages = np.array([0.0, 2.0, 0.0, -1.0, 0.0])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        chosen = msgrpo.aaw_sample(advantages, 2, rng)
+        assert sorted(chosen) == [1, 3]
+    chosen = msgrpo.aaw_sample(advantages, 10, rng)  # k larger than the nonzero episodes
+    assert sorted(chosen) == [1, 3]
+    assert len(msgrpo.aaw_sample(np.zeros(4), 3, rng)) == 0
+
+
+def test_aaw_draw_probability_is_proportional_to_absolute_advantage():
+    advantages = np.array([0.5, -1.5, 2.0, 0.0])
+    rng = np.random.default_rng(1)
+    draws = np.array([msgrpo.aaw_sample(advantages, 1, rng)[0] for _ in range(20000)])
+    frequencies = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(frequencies, [0.125, 0.375, 0.5, 0.0], atol=0.015)
+
+
+def test_aaw_draws_without_replacement():
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        chosen = msgrpo.aaw_sample(np.linspace(-1, 1, 11), 6, rng)  # index 5 has A = 0
+        assert len(set(chosen)) == 6 and 5 not in chosen
+
+
+def test_choose_episodes_sizes_per_sampling_mode():
+    advantages = np.array([1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 0.0, 0.0])
+    rng = np.random.default_rng(0)
+    cfg = msgrpo.Config(sample_frac=0.5)
+    assert len(msgrpo.choose_episodes(advantages, cfg, rng)) == 4
+    assert set(msgrpo.choose_episodes(advantages, cfg, rng)) == {0, 1, 4, 5}
+    uniform = msgrpo.choose_episodes(advantages, msgrpo.Config(sampling="uniform", sample_frac=0.3), rng)
+    assert len(uniform) == math.ceil(0.3 * 8) and len(set(uniform)) == len(uniform)
+    assert list(msgrpo.choose_episodes(advantages, msgrpo.Config(sampling="all"), rng)) == list(range(8))
+
+
+# --- clipped policy loss -----------------------------------------------------------------------
+
+
+def test_clipped_loss_on_both_sides_of_one():
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
+    advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0]])
+    logp_old = torch.zeros(1, 5)
+    logp_new = ratios.log().requires_grad_()
+    loss = msgrpo.clipped_policy_loss(logp_new, logp_old, advantages, torch.ones(1, 5), eps_clip=0.2)
+    # min(rho A, clip(rho) A): 1.2 (clipped above), -0.8 (clipped below), 0.5, -1.5, 2.2 (inside)
+    assert loss.item() == pytest.approx(-(1.2 - 0.8 + 0.5 - 1.5 + 2.2) / 5)
+    loss.backward()
+    # clipped tokens give no gradient; the others give -A * rho / n
+    np.testing.assert_allclose(logp_new.grad[0].numpy(), [0, 0, -0.5 / 5, 1.5 / 5, -2.2 / 5], atol=1e-6)
+
+
+def test_clipped_loss_ignores_masked_tokens_and_broadcasts_step_advantages():
+    logp_new = torch.tensor([[-1.0, -2.0, 50.0], [-0.5, 80.0, 90.0]])  # masked entries are junk
+    logp_old = logp_new.clone()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss = msgrpo.clipped_policy_loss(logp_new, logp_old, torch.tensor([2.0, -1.0]), mask)
+    assert loss.item() == pytest.approx(-(2 + 2 - 1) / 3)  # ratio 1 on the three real tokens
+
+
+def test_kl_to_reference_is_zero_at_the_reference_and_positive_elsewhere():
+    logp = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    assert msgrpo.kl_to_reference(logp, logp, mask).item() == 0.0
+    d = 0.3
+    expected = math.exp(d) - d - 1
+    assert msgrpo.kl_to_reference(logp, logp + d, mask).item() == pytest.approx(expected)
+
+
+# --- broadcast to tokens, masks from lengths ---------------------------------------------------
+
+
+def test_broadcast_puts_each_steps_advantage_on_its_response_tokens_only():
+    pad = 2  # SmolLM2's pad id is also its end-of-turn id: a real token inside responses
+    steps = [
+        ([5, 6, 7, 8, 9], [11, 12, 2], 0.7),  # response ends with the end token (== pad id)
+        ([5, 6], [13], -1.5),
+        ([0, 0, 5], [0, 14], 0.0),  # id 0 is a real token too (LESSONS 3)
+    ]
+    batch = msgrpo.collate_steps(steps, pad)
+    token_advantages = batch.token_advantages()
+    for row, (prompt, response, advantage) in enumerate(steps):
+        real = len(prompt) + len(response)
+        width = batch.input_ids.shape[1]
+        assert batch.input_ids[row, width - real:].tolist() == prompt + response
+        assert batch.attention_mask[row].tolist() == [0] * (width - real) + [1] * real
+        assert batch.input_ids[row][batch.response_mask[row].bool()].tolist() == response
+        expected = [0.0] * (width - len(response)) + [advantage] * len(response)
+        np.testing.assert_allclose(token_advantages[row].numpy(), expected)
+
+
+def test_broadcast_from_episodes_to_steps():
+    """Every step of every drawn episode carries that episode's advantage (train_iteration's rule)."""
+    episodes = [msgrpo.Episode(group=0, seed=1, prompts=[[1], [2], [3]], responses=[[4], [5, 6], [7]],
+                               rewards=[0, 0, 1]),
+                msgrpo.Episode(group=0, seed=1, prompts=[[1]], responses=[[9]], rewards=[0])]
+    returns = msgrpo.episode_returns([ep.rewards for ep in episodes])
+    advantages = msgrpo.group_advantages(returns, [0, 0])
+    steps = msgrpo.episode_steps(episodes, advantages, np.array([0, 1]))
+    assert [a for _, _, a in steps] == pytest.approx([1, 1, 1, -1], abs=1e-5)
+    assert [r for _, r, _ in steps] == [[4], [5, 6], [7], [9]]
+
+
+# --- the model pieces, on the tiny model --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    return cfg, model, tokenizer
+
+
+def test_lora_weights_are_fp32_and_only_they_train(tiny):
+    _, model, _ = tiny
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n, _ in trainable)
+    assert all(p.dtype == torch.float32 for _, p in trainable)
+
+
+def test_prompt_ends_with_the_prefill_and_holds_the_observation(tiny):
+    cfg, _, tokenizer = tiny
+    text = tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 1).", cfg))
+    assert "You are at (row 0, col 1)." in text and text.endswith("<action>")
+    think_cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, run_dir="x"))
+    assert not tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "obs", think_cfg)).endswith("<action>")
+    assert think_cfg.max_new_tokens == 256 and cfg.max_new_tokens == 8
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
+    """Left-padded prompts of different lengths: the loss's log-probs of the sampled ids equal
+    the sampler's (same ids, same temperature, same positions), so the first ratio is 1."""
+    cfg, model, tokenizer = tiny
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, text, cfg) for text in ["short", "a much longer observation " * 5]]
+    torch.manual_seed(3)
+    responses, sampled = msgrpo.sample_responses(model, tokenizer, prompts, 6, temperature)
+    batch = msgrpo.collate_steps([(p, r, 1.0) for p, r in zip(prompts, responses)], tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, mask = msgrpo.response_logprobs(model, batch, temperature)
+    for row, values in enumerate(sampled):
+        got = logp[row][mask[row].bool()].tolist()
+        np.testing.assert_allclose(got, values, atol=2e-2)
+
+
+def test_sampled_length_keeps_the_end_token_once_and_stops_at_action_end(tiny):
+    _, model, tokenizer = tiny
+    end = tokenizer.eos_token_id
+    assert end == tokenizer.pad_token_id  # SmolLM2: the case LESSONS 3 warns about
+    ends = msgrpo.end_token_ids(model, tokenizer)
+    word = tokenizer("right", add_special_tokens=False).input_ids
+    close = tokenizer("</action>", add_special_tokens=False).input_ids
+    assert msgrpo.sampled_length(word + [end, end, end], ends, tokenizer) == len(word) + 1
+    assert msgrpo.sampled_length(word + close + word, ends, tokenizer) == len(word) + len(close)
+    assert msgrpo.sampled_length(word * 3, ends, tokenizer) == 3 * len(word)
+
+
+def _steps_logprob(model, tokenizer, steps):
+    with torch.no_grad():
+        logp, mask = msgrpo.response_logprobs(model, msgrpo.collate_steps(steps, tokenizer.pad_token_id), 1.0)
+    return (logp * mask).sum(1)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_one_update_moves_the_episode_logprob_in_the_advantages_direction(advantage):
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", lr=1e-2, run_dir="unused"))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
+    response = tokenizer("right</action>", add_special_tokens=False).input_ids
+    steps = [(prompt, response, advantage)]
+    before = _steps_logprob(model, tokenizer, steps)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    stats = msgrpo.update_policy(model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
+    after = _steps_logprob(model, tokenizer, steps)
+    assert stats["clip_frac"] == 0.0  # one optimizer step: the ratio is exactly 1
+    assert (after - before).item() * advantage > 0.05
+
+
+def test_several_epochs_use_a_scoring_pass_and_clip(tiny):
+    cfg, model, tokenizer = tiny
+    cfg = msgrpo.dataclasses.replace(cfg, epochs=4, lr=5e-2, micro_batch=1)
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "obs", cfg)
+    steps = [(prompt, tokenizer("up", add_special_tokens=False).input_ids, 1.0),
+             (prompt[3:], tokenizer("down</action>", add_special_tokens=False).input_ids, -1.0)]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    stats = msgrpo.update_policy(model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
+    assert stats["clip_frac"] > 0  # later epochs move the ratio past 1 +- eps
+    assert math.isfinite(stats["loss"])
+
+
+# --- the trainer end to end ----------------------------------------------------------------------
+
+TINY_RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "4",
+            "--env-opt", "max_steps=4", "--eval-episodes", "4", "--eval-every", "1"]
+TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
+
+
+def _without_timing(rows):
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def test_two_iterations_leave_a_complete_run_folder(tmp_path):
+    start = time.time()
+    run = msgrpo.main(TINY_RUN + ["--iterations", "2", "--run-dir", str(tmp_path / "run")])
+    assert time.time() - start < 60
+    for name in ["config.json", "metrics.jsonl", "eval.json", "checkpoint.pt", "curves.png",
+                 "adapter/adapter_config.json", "adapter/adapter_model.safetensors"]:
+        assert (run / name).exists(), name
+    metrics = msgrpo.read_metrics(run)
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert all(0 <= m["invalid_rate"] <= 1 and 0 <= m["distinct_responses"] <= 1 for m in metrics)
+    evals = json.loads((run / "eval.json").read_text())
+    assert [e["iteration"] for e in evals] == [0, 1, 2] and evals[0]["episodes"] == 4
+    config = json.loads((run / "config.json").read_text())
+    assert config["model"] == "tiny" and config["env_options"] == {"max_steps": 4}
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(msgrpo.tiny_model_folder())
+    assert isinstance(PeftModel.from_pretrained(base, str(run / "adapter")), PeftModel)
+
+
+def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
+    straight = msgrpo.main(TINY_RUN + ["--iterations", "3", "--run-dir", str(tmp_path / "a")])
+    stopped = msgrpo.main(TINY_RUN + ["--iterations", "2", "--run-dir", str(tmp_path / "b")])
+    resumed = msgrpo.main(["--resume", str(stopped), "--iterations", "3"])
+    assert resumed == stopped
+    assert _without_timing(msgrpo.read_metrics(resumed)) == _without_timing(msgrpo.read_metrics(straight))
+
+
+def test_bad_cli_input_fails_clearly(capsys):
+    with pytest.raises(SystemExit):
+        msgrpo.main(["--env", "chess"])
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="size"):
+        msgrpo.main(["--env", "frozen_lake", "--env-opt", "colour=red"])
+    with pytest.raises(SystemExit):
+        msgrpo.main(["--env-opt", "no-equals-sign"])
+    with pytest.raises(SystemExit, match="nothing to resume"):
+        msgrpo.main(["--resume", "/nonexistent/run"])
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_runs_one_iteration(tmp_path):
+    run = msgrpo.main(["--env", "frozen_lake", "--model", "smollm2-135m", "--iterations", "1",
+                       "--eval-episodes", "8", "--run-dir", str(tmp_path / "smol")])
+    assert len(msgrpo.read_metrics(run)) == 1
+    assert envs.heldout_seeds(1)[0] >= envs.HELDOUT_SEED_START
