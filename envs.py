@@ -244,6 +244,27 @@ def cells_with(map_rows, tile):
     return [(r, c) for r, row in enumerate(map_rows) for c, t in enumerate(row) if t == tile]
 
 
+TILE_NAMES = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
+
+
+def neighbour_text(map_rows, position):
+    """What each move would walk onto: 'left edge, down ice, right hole, up edge'."""
+    size = len(map_rows)
+    words = []
+    for action, (d_row, d_col) in zip(FROZEN_LAKE_ACTIONS, FROZEN_LAKE_STEPS):
+        row, col = position[0] + d_row, position[1] + d_col
+        inside = 0 <= row < size and 0 <= col < size
+        words.append(f"{action} {TILE_NAMES[map_rows[row][col]] if inside else 'edge'}")
+    return ", ".join(words)
+
+
+def offset_text(d_row, d_col):
+    """'3 down, 2 right' (or 'here'): where a cell lies relative to you."""
+    parts = [f"{abs(d_row)} {'down' if d_row > 0 else 'up'}"] if d_row else []
+    parts += [f"{abs(d_col)} {'right' if d_col > 0 else 'left'}"] if d_col else []
+    return ", ".join(parts) or "here"
+
+
 class FrozenLake(TextGame):
     name = "frozen_lake"
     actions = FROZEN_LAKE_ACTIONS
@@ -256,10 +277,8 @@ class FrozenLake(TextGame):
         self.slippery = bool(self.options["slippery"])
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
-        self.rules = ("Frozen Lake: walk on the ice from the start to the goal. Falling into a hole"
-                      " ends the game; reaching the goal ends it with reward 1. Moving into the edge"
-                      f" leaves you in place.{slip} Cells are (row, col), (0,0) at the top left;"
-                      " down increases the row, right increases the column.")
+        self.rules = ("Frozen Lake: reach the goal without falling into a hole. A hole ends the game;"
+                      f" the goal ends it with reward 1. Moving off the edge leaves you in place.{slip}")
 
     def new_game(self, seed):
         self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
@@ -278,12 +297,19 @@ class FrozenLake(TextGame):
         return (1.0 if tile == "G" else 0.0), tile in "HG"
 
     def state_text(self):
+        """Coordinates, what lies next to you, the goal's offset, then the grid.
+
+        The neighbour line and the offset restate the map from where you stand: a small model
+        reads them far more easily than it finds itself in the grid (results/NOTES.md).
+        """
         row, col = self.position
-        goals = ", ".join(f"(row {r}, col {c})" for r, c in cells_with(self.map, "G"))
+        goal_row, goal_col = cells_with(self.map, "G")[0]
         grid = [["P" if (r, c) == self.position else ("F" if tile == "S" else tile)
                  for c, tile in enumerate(map_row)] for r, map_row in enumerate(self.map)]
-        return (f"You are at (row {row}, col {col}). Goal at {goals}. "
+        return (f"You are at (row {row}, col {col}). Goal at (row {goal_row}, col {goal_col}): "
+                f"{offset_text(goal_row - row, goal_col - col)}. "
                 f"Holes at {cell_list(cells_with(self.map, 'H'))}.\n"
+                f"Next to you: {neighbour_text(self.map, self.position)}.\n"
                 f"Map (P = you, F = ice, H = hole, G = goal):\n{grid_text(grid)}")
 
     def state_info(self):

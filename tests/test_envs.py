@@ -175,7 +175,8 @@ def test_frozen_lake_observation_text():
     obs, _ = env.reset(seed=0)
     assert env.rules in obs
     assert "Actions: left, down, right, up." in obs
-    assert "You are at (row 0, col 0). Goal at (row 3, col 3)." in obs
+    assert "You are at (row 0, col 0). Goal at (row 3, col 3): 3 down, 3 right." in obs
+    assert "Next to you: left edge, down ice, right ice, up edge." in obs
     assert "Holes at (1,1), (1,3), (2,3), (3,0)." in obs
     assert "P F F F\nF H F H\nF F F H\nH F F G" in obs
     assert "P = you" in obs and "H = hole" in obs
@@ -183,6 +184,10 @@ def test_frozen_lake_observation_text():
     assert "slippery" not in obs
     assert "slippery" in envs.make("frozen_lake", slippery=True).rules
     assert env.actions == ["left", "down", "right", "up"]
+    obs, *_ = env.step(env.actions.index("down"))  # to (1, 0): a hole to the right
+    assert "Next to you: left edge, down ice, right hole, up ice." in obs
+    assert envs.offset_text(-2, 0) == "2 up" and envs.offset_text(0, 0) == "here"
+
 
 
 def test_frozen_lake_invalid_action_stays_put_with_penalty():

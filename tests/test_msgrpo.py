@@ -182,7 +182,7 @@ def test_prompt_ends_with_the_prefill_and_holds_the_observation(tiny):
     assert "You are at (row 0, col 1)." in text and text.endswith("<action>")
     think_cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, run_dir="x"))
     assert not tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "obs", think_cfg)).endswith("<action>")
-    assert think_cfg.max_new_tokens == 256 and cfg.max_new_tokens == 8
+    assert think_cfg.max_new_tokens == 256 and cfg.max_new_tokens == 6
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -270,6 +270,7 @@ def test_two_iterations_leave_a_complete_run_folder(tmp_path):
     assert all(0 <= m["invalid_rate"] <= 1 and 0 <= m["distinct_responses"] <= 1 for m in metrics)
     evals = json.loads((run / "eval.json").read_text())
     assert [e["iteration"] for e in evals] == [0, 1, 2] and evals[0]["episodes"] == 4
+    assert evals[-1]["sampled"]["episodes"] == 4  # the final evaluation is greedy and sampled
     config = json.loads((run / "config.json").read_text())
     assert config["model"] == "tiny" and config["env_options"] == {"max_steps": 4}
 
