@@ -53,7 +53,7 @@ class Config:
     env: str = "frozen_lake"
     env_options: dict = field(default_factory=dict)  # passed to envs.make, e.g. {"size": 4}
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
-    quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), bf16 compute
+    quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
     iterations: int = 100
     groups: int = 2  # B: start states per iteration
@@ -73,7 +73,7 @@ class Config:
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2
-    gradient_checkpointing: bool = False  # on by default on CUDA (see resolve_defaults)
+    gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
     eval_every: int = 10  # 0 = evaluate only before and after training
     eval_episodes: int = 200
     seed: int = 0
@@ -107,7 +107,8 @@ SYSTEM_PROMPT = "You are playing a grid game."
 # answer gives 5x more parseable replies than "<action>MOVE</action>", which it copies verbatim.
 FORMAT_PLAIN = ("Answer with exactly one action word from the action list, inside <action></action>,"
                 " e.g. <action>up</action>.")
-FORMAT_THINK = "Think briefly inside <think>...</think>, then write the move as <action>MOVE</action>."
+FORMAT_THINK = ("Think briefly inside <think></think>, then answer with exactly one action word from the"
+                " action list, inside <action></action>.")
 ACTION_END = "</action>"
 
 
@@ -116,13 +117,17 @@ def response_prefix(cfg: Config) -> str:
     return "<action>" if cfg.prefill and not cfg.think else ""
 
 
-def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
+def lap_messages(obs_text: str, cfg: Config) -> list[dict]:
     """The current state only, no history: a short prompt keeps training tokens down."""
-    messages = [
+    return [
         {"role": "system", "content": f"{SYSTEM_PROMPT} {FORMAT_THINK if cfg.think else FORMAT_PLAIN}"},
         {"role": "user", "content": obs_text},
     ]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
+    """Chat template + the pre-filled start of the reply, as token ids."""
+    text = tokenizer.apply_chat_template(lap_messages(obs_text, cfg), tokenize=False, add_generation_prompt=True)
     return tokenizer(text + response_prefix(cfg), add_special_tokens=False).input_ids
 
 
@@ -291,11 +296,11 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     model.eval()
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id)
-    greedy = temperature == 0
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
     out = model.generate(
         input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        max_new_tokens=max_new_tokens, do_sample=not greedy, temperature=None if greedy else temperature,
-        top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+        **(sampling if temperature > 0 else dict(do_sample=False)),
         stop_strings=[ACTION_END], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
         output_scores=True, return_dict_in_generate=True,
     )
