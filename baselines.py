@@ -370,14 +370,6 @@ class LLMAgent:
         return self.act_batch([obs_text], [info])[0]
 
 
-def lap_messages(obs_text, cfg):
-    """The chat messages of msgrpo.lap_prompt_ids, from the same constants (a test checks that
-    they render to the same prompt). Move into msgrpo.py as the one place that builds them."""
-    instructions = msgrpo.FORMAT_THINK if cfg.think else msgrpo.FORMAT_PLAIN
-    return [{"role": "system", "content": f"{msgrpo.SYSTEM_PROMPT} {instructions}"},
-            {"role": "user", "content": obs_text}]
-
-
 class RequestFailed(Exception):
     pass
 
@@ -416,7 +408,7 @@ class ChatServerAgent:
 
     def respond(self, obs_text):
         """The reply text, or None when every try failed."""
-        body = {"model": self.model, "messages": lap_messages(obs_text, self.cfg),
+        body = {"model": self.model, "messages": msgrpo.lap_messages(obs_text, self.cfg),
                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stop": [msgrpo.ACTION_END]}
         for attempt in range(self.retries + 1):
             try:

@@ -24,21 +24,6 @@ import baselines
 import envs
 import msgrpo
 
-# --- the LAP prompt is msgrpo's ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("think", [False, True])
-def test_chat_messages_render_to_msgrpos_own_prompt(think):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(msgrpo.model_path("tiny"))
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=think, run_dir="unused"))
-    obs, _ = envs.make("frozen_lake").reset(seed=0)
-    text = tokenizer.apply_chat_template(baselines.lap_messages(obs, cfg), tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text + msgrpo.response_prefix(cfg), add_special_tokens=False).input_ids
-    assert ids == msgrpo.lap_prompt_ids(tokenizer, obs, cfg)
-
-
 # --- local models --------------------------------------------------------------------------------
 
 
@@ -173,7 +158,7 @@ def test_request_carries_the_lap_messages_and_the_key_from_the_environment(bad_s
     assert server_agent(bad_server, "ok").act(obs, info) == "right"
     _, headers, body = Misbehaving.hits[-1]
     assert "Authorization" not in headers
-    assert body["messages"] == baselines.lap_messages(obs, msgrpo.Config())
+    assert body["messages"] == msgrpo.lap_messages(obs, msgrpo.Config())
     assert body["model"] == "m" and body["temperature"] == 0.0 and body["stop"] == ["</action>"]
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     server_agent(bad_server, "ok").act(obs, info)
