@@ -233,6 +233,8 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     )
     if cfg.quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        if device == "cpu":
+            keep_4bit_weights_differentiable(model)
     elif cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
@@ -244,6 +246,20 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
         model = get_peft_model(model, lora)
     # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
     return model, tokenizer
+
+
+def keep_4bit_weights_differentiable(model) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference.
+
+    On CPUs with AVX512-BF16 the first no-grad forward in eval mode repacks every 4-bit weight
+    into a layout whose matmul has no backward: later training passes then silently drop the
+    gradient through the frozen base, and every LoRA layer but the last learns from noise.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def end_token_ids(model, tokenizer) -> set[int]:
@@ -528,6 +544,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
         for m, minibatch in enumerate(batches):
             optimizer.zero_grad(set_to_none=True)
             total_tokens = sum(int(b.response_mask.sum()) for b in minibatch)
+            logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
             for j, batch in enumerate(minibatch):
                 logp, mask = response_logprobs(model, batch, cfg.temperature)
                 logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
@@ -540,11 +557,14 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
                     loss = loss + cfg.beta * kl
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {loss.item()}")
-                (loss * mask.sum() / total_tokens).backward()  # token mean over the whole minibatch
+                weight = mask.sum().item() / total_tokens
+                (loss * weight).backward()  # token mean over the whole minibatch
                 clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
-                stats["loss"].append(loss.item())
-                stats["clip_frac"].append(clipped.sum().item() / max(mask.sum().item(), 1))
-                stats["kl"].append(kl.item())
+                logged["loss"] += loss.item() * weight
+                logged["clip_frac"] += clipped.sum().item() / total_tokens
+                logged["kl"] += kl.item() * weight
+            for name, value in logged.items():
+                stats[name].append(value)
             params = [p for p in model.parameters() if p.requires_grad]
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
             optimizer.step()
@@ -703,8 +723,8 @@ def load_json(path: Path, default=None):
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int) -> None:
     """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs."""
-    # Hand peft the LoRA tensors: model.state_dict() would make bitsandbytes repack its CPU 4-bit
-    # weights, which changes later log-probs slightly and breaks exact resumption.
+    # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
+    # every 4-bit base weight just to throw it away.
     lora_weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=lora_weights))
     state = {"iteration": iteration, "optimizer": optimizer.state_dict(),

@@ -307,3 +307,33 @@ def test_bundled_smollm2_runs_one_iteration(tmp_path):
                        "--eval-episodes", "8", "--run-dir", str(tmp_path / "smol")])
     assert len(msgrpo.read_metrics(run)) == 1
     assert envs.heldout_seeds(1)[0] >= envs.HELDOUT_SEED_START
+
+
+def test_gradients_are_the_same_before_and_after_sampling():
+    """bitsandbytes may repack 4-bit weights for CPU inference on the first no-grad eval forward,
+    after which its matmul has no backward. Training after a rollout must see the same gradients."""
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)  # so the gradient also flows into every lora_A
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
+    batch = msgrpo.collate_steps([(prompt, tokenizer("right</action>", add_special_tokens=False).input_ids, 1.0)],
+                                 tokenizer.pad_token_id)
+
+    def lora_gradients():
+        model.train()
+        model.zero_grad()
+        logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
+        (logp * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    before = lora_gradients()
+    msgrpo.sample_responses(model, tokenizer, [prompt, prompt[2:]], 4, 1.0)  # a rollout, in eval mode
+    after = lora_gradients()
+    first_layer = [n for n in before if "layers.0." in n and "lora_A" in n]
+    assert first_layer and all(before[n].norm() > 0 for n in first_layer)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-7)
