@@ -337,3 +337,13 @@ def test_gradients_are_the_same_before_and_after_sampling():
     assert first_layer and all(before[n].norm() > 0 for n in first_layer)
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-7)
+
+
+def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
+    cfg, model, tokenizer = tiny
+    cfg = msgrpo.dataclasses.replace(cfg, beta=0.1, lr=5e-2, epochs=3)
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "obs", cfg)
+    steps = [(prompt, tokenizer("left</action>", add_special_tokens=False).input_ids, 1.0)]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    stats = msgrpo.update_policy(model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
+    assert stats["kl"] > 0 and math.isfinite(stats["loss"])
