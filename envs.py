@@ -249,12 +249,10 @@ TILE_NAMES = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
 
 def neighbour_text(map_rows, position):
     """What each move would walk onto: 'left edge, down ice, right hole, up edge'."""
-    size = len(map_rows)
     words = []
-    for action, (d_row, d_col) in zip(FROZEN_LAKE_ACTIONS, FROZEN_LAKE_STEPS):
-        row, col = position[0] + d_row, position[1] + d_col
-        inside = 0 <= row < size and 0 <= col < size
-        words.append(f"{action} {TILE_NAMES[map_rows[row][col]] if inside else 'edge'}")
+    for action, name in enumerate(FROZEN_LAKE_ACTIONS):
+        row, col = frozen_lake_slide(map_rows, position, action)  # the edge leaves you in place
+        words.append(f"{name} {'edge' if (row, col) == tuple(position) else TILE_NAMES[map_rows[row][col]]}")
     return ", ".join(words)
 
 
