@@ -117,6 +117,11 @@ def response_prefix(cfg: Config) -> str:
     return "<action>" if cfg.prefill and not cfg.think else ""
 
 
+def response_text(tokenizer, response_ids: list[int], cfg: Config) -> str:
+    """What the parser reads: the pre-filled prefix and the sampled reply together."""
+    return response_prefix(cfg) + tokenizer.decode(response_ids, skip_special_tokens=True)
+
+
 def lap_messages(obs_text: str, cfg: Config) -> list[dict]:
     """The current state only, no history: a short prompt keeps training tokens down."""
     return [
@@ -357,7 +362,7 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool 
         responses, logprobs = sample_responses(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature)
         for i, prompt, response, logprob in zip(live, prompts, responses, logprobs):
             episode, game = episodes[i], games[i]
-            text = response_prefix(cfg) + tokenizer.decode(response, skip_special_tokens=True)
+            text = response_text(tokenizer, response, cfg)
             observations[i], reward, terminated, truncated, info = game.step(game.parse_action(text))
             episode.prompts.append(prompt)
             episode.responses.append(response)
@@ -689,8 +694,7 @@ class LAPAgent:
     def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
         prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
         responses, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens, self.temperature)
-        prefix = response_prefix(self.cfg)
-        return [prefix + self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        return [response_text(self.tokenizer, r, self.cfg) for r in responses]
 
     def act(self, observation: str, info: dict) -> str:
         return self.act_batch([observation], [info])[0]
