@@ -275,8 +275,8 @@ class FrozenLake(TextGame):
         self.slippery = bool(self.options["slippery"])
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
-        self.rules = ("Frozen Lake: reach the goal without falling into a hole. A hole ends the game;"
-                      f" the goal ends it with reward 1. Moving off the edge leaves you in place.{slip}")
+        self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
+                      f" Moving off the edge leaves you in place.{slip}")
 
     def new_game(self, seed):
         self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
@@ -295,20 +295,19 @@ class FrozenLake(TextGame):
         return (1.0 if tile == "G" else 0.0), tile in "HG"
 
     def state_text(self):
-        """Coordinates, what lies next to you, the goal's offset, then the grid.
+        """The goal's offset, what lies next to you, then the grid.
 
-        The neighbour line and the offset restate the map from where you stand: a small model
-        reads them far more easily than it finds itself in the grid (results/NOTES.md).
+        The offset and the neighbour line restate the map from where you stand: a small model
+        reads them far more easily than it finds itself in the grid. Coordinates and a list of
+        holes were dropped to keep the prompt short (results/NOTES.md).
         """
         row, col = self.position
         goal_row, goal_col = cells_with(self.map, "G")[0]
         grid = [["P" if (r, c) == self.position else ("F" if tile == "S" else tile)
                  for c, tile in enumerate(map_row)] for r, map_row in enumerate(self.map)]
-        return (f"You are at (row {row}, col {col}). Goal at (row {goal_row}, col {goal_col}): "
-                f"{offset_text(goal_row - row, goal_col - col)}. "
-                f"Holes at {cell_list(cells_with(self.map, 'H'))}.\n"
+        return (f"Goal: {offset_text(goal_row - row, goal_col - col)}.\n"
                 f"Next to you: {neighbour_text(self.map, self.position)}.\n"
-                f"Map (P = you, F = ice, H = hole, G = goal):\n{grid_text(grid)}")
+                f"Map (P = you, F = ice):\n{grid_text(grid)}")
 
     def state_info(self):
         tile = self.map[self.position[0]][self.position[1]]

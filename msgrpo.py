@@ -23,6 +23,7 @@ The file reads top to bottom in the order data flows:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -31,6 +32,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,10 +105,11 @@ def env_options(cfg: Config) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 SYSTEM_PROMPT = "You are playing a grid game."
-# Measured on SmolLM2-135M (results/NOTES.md): naming the action list and showing one example
-# answer gives 5x more parseable replies than "<action>MOVE</action>", which it copies verbatim.
+# Measured on SmolLM2-135M (results/NOTES.md): naming the action list and showing example answers
+# gives far more parseable replies than "<action>MOVE</action>", which it copies verbatim. The
+# base model mostly says whichever example it was shown, so the examples are two moves, not one.
 FORMAT_PLAIN = ("Answer with exactly one action word from the action list, inside <action></action>,"
-                " e.g. <action>up</action>.")
+                " e.g. <action>down</action> or <action>right</action>.")
 FORMAT_THINK = ("Think briefly inside <think></think>, then answer with exactly one action word from the"
                 " action list, inside <action></action>.")
 ACTION_END = "</action>"
@@ -267,6 +270,36 @@ def keep_4bit_weights_differentiable(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+@contextmanager
+def packed_4bit_weights(model):
+    """Generate with bitsandbytes' packed CPU layout, train with the differentiable one.
+
+    On AVX512-BF16 CPUs the packed layout samples about twice as fast, but its matmul has no
+    backward. The base weights never change, so each layer packs a copy once and the two layouts
+    are swapped in for generation and back out after it; nothing is converted back (bitsandbytes'
+    inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing.
+    """
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+    if not layers or not has_avx512bf16():
+        yield
+        return
+    trainable = {}
+    for layer in layers:
+        trainable[layer] = (layer.weight.data, layer.weight.quant_state)
+        if not hasattr(layer, "packed_for_generation"):
+            layer.packed_for_generation = _convert_weight_packed_for_cpu(
+                layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
+        layer.weight.data, layer.weight.quant_state = layer.packed_for_generation
+    try:
+        yield
+    finally:
+        for layer, (data, quant_state) in trainable.items():
+            layer.weight.data, layer.weight.quant_state = data, quant_state
+
+
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -318,13 +351,14 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        max_new_tokens=max_new_tokens, repetition_penalty=1.0,
-        **(sampling if temperature > 0 else dict(do_sample=False)),
-        stop_strings=[ACTION_END], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
-        output_scores=True, return_dict_in_generate=True,
-    )
+    with packed_4bit_weights(model):
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+            **(sampling if temperature > 0 else dict(do_sample=False)),
+            stop_strings=[ACTION_END], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+            output_scores=True, return_dict_in_generate=True,
+        )
     new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
     scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits: already divided by T
     logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
