@@ -567,8 +567,8 @@ def run_comparison(args):
     seeds = envs.heldout_seeds(args.episodes)
     games = {name: COMPARE_GAMES[name] for name in args.games}
     wanted = set(args.agents) if args.agents else None
-    report = {"episodes": args.episodes, "seeds": [seeds[0], seeds[-1]], "games": {}, "results": {},
-              "skipped": []}
+    report = previous_report(args.out, seeds) or {"episodes": args.episodes, "seeds": [seeds[0], seeds[-1]],
+                                                  "games": {}, "results": {}, "skipped": []}
     for column, (env_name, options) in games.items():
         value, source = optimum(env_name, options, seeds)
         report["games"][column] = {"env": env_name, "options": envs.make(env_name, **options).options,
@@ -578,20 +578,20 @@ def run_comparison(args):
         if wanted is not None and not any(name == w or name.startswith(w + " ") for w in wanted):
             continue
         if reason:
-            report["skipped"].append({"agent": name, "game": "all", "reason": reason})
+            note_skip(report, name, "all", reason)
             print(f"skipped {name}: {reason}")
             continue
         for column, (env_name, options) in games.items():
             try:
                 agent = factory(env_name, options)
             except Exception as error:  # a model that will not load is reported, not fatal
-                report["skipped"].append({"agent": name, "game": "all", "reason": f"failed to load: {error!r}"})
+                note_skip(report, name, "all", f"failed to load: {error!r}")
                 print(f"skipped {name}: failed to load: {error!r}")
                 break
             if agent is None:
                 why = (f"no trained weights under {args.runs}/; train them with: python baselines.py "
                        f"--env {env_name} --agent dqn --train-steps N" + option_flags(options))
-                report["skipped"].append({"agent": name, "game": column, "reason": why})
+                note_skip(report, name, column, why)
                 print(f"skipped {name} on {column}: {why}")
                 continue
             print(f"{name} on {column} ...", flush=True)
@@ -603,9 +603,31 @@ def run_comparison(args):
             result.update(score=score, score_ci95=interval,
                           fraction_of_optimum=score / reference if reference > 0 else None)
             report["results"].setdefault(name, {})[column] = result
+            report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == name and x["game"] in (column, "all"))]
             save_report(report, args.out)  # after every cell: a long run that stops keeps what it did
     save_report(report, args.out)
     print(comparison_markdown(report))
+    return report
+
+
+def note_skip(report, agent, game, reason):
+    report["skipped"] = [x for x in report["skipped"] if (x["agent"], x["game"]) != (agent, game)]
+    report["skipped"].append({"agent": agent, "game": game, "reason": reason})
+
+
+def previous_report(out, seeds):
+    """The comparison already in `out` if it used the same held-out seeds, else None.
+
+    Re-running with --agents or --games then replaces those cells and keeps the others, so the
+    slow rows (language models) and the fast ones can be computed by separate commands.
+    """
+    path = Path(out) / "comparison.json"
+    if not path.exists():
+        return None
+    report = json.loads(path.read_text())
+    if report.get("seeds") != [seeds[0], seeds[-1]] or report.get("episodes") != len(seeds):
+        return None
+    print(f"updating {path}: cells not recomputed now are kept")
     return report
 
 
@@ -627,7 +649,8 @@ def comparison_markdown(report):
     lines = [f"# Agents compared on the same held-out seeds ({report['seeds'][0]}..{report['seeds'][1]}, "
              f"{report['episodes']} episodes per cell)", "",
              "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake scores the "
-             "success rate (Wilson interval), Snake the mean return (normal interval).", ""]
+             "success rate (Wilson interval), Snake the mean return (normal interval). A cell with - was not "
+             "evaluated (see Skipped at the end, or it was not asked for).", ""]
     lines.append("| agent | " + " | ".join(f"{c} ({g['score']})" for c, g in games.items()) + " |")
     lines.append("| --- |" + " ---: |" * len(games))
     lines.append("| *optimum* | " + " | ".join(f"{g['optimum']:.3f}" for g in games.values()) + " |")

@@ -568,7 +568,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
 
     With one optimizer step per batch the ratio is exactly 1 at that step, so the old log-probs
     are the new ones detached and no scoring pass is needed. Otherwise a scoring pass before the
-    first step records them.
+    first step records them (the policy that sampled the rollouts).
     """
     model.train()
     order = [steps[i] for i in rng.permutation(len(steps))]
@@ -576,7 +576,9 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
     batches = [[collate_steps(micro, tokenizer.pad_token_id) for micro in mb] for mb in minibatches]
     old_logprobs = None
     if cfg.epochs > 1 or len(batches) > 1:
-        with torch.no_grad():
+        # No gradient here, so the fast packed layout serves, as in rollouts; the ratio then starts
+        # within ~1e-2 of 1 rather than exactly at it, which the clip range dwarfs.
+        with torch.no_grad(), packed_4bit_weights(model):
             old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb] for mb in batches]
     stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
     for _ in range(cfg.epochs):
@@ -590,7 +592,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
                 loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
                 kl = torch.zeros((), device=logp.device)
                 if cfg.beta > 0:
-                    with torch.no_grad(), model.disable_adapter():
+                    with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
                         logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
                     kl = kl_to_reference(logp, logp_ref, mask)
                     loss = loss + cfg.beta * kl
@@ -798,7 +800,7 @@ def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     if not result:
         return
     evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
-    save_json(run_dir / "eval.json", evals + [{"iteration": iteration, **result}])
+    save_json(run_dir / "eval.json", sorted(evals + [{"iteration": iteration, **result}], key=lambda e: e["iteration"]))
 
 
 def eval_table(evals: list[dict]) -> str:

@@ -2,8 +2,9 @@
 
     python benchmarks/eval_base_vs_trained.py runs/fl-a --episodes 200
 
-One model in memory: the base is the same model with the adapter disabled. Writes
-<run>/eval_base_vs_trained.json and prints both rows.
+One model in memory: the base is the same model with the adapter disabled. Records both in
+<run>/eval.json as the trainer does (iteration 0 = the base model), redraws curves.png and prints
+the table. For runs trained with --eval-episodes 0, or to re-evaluate on more episodes.
 """
 
 import argparse
@@ -24,14 +25,11 @@ def main(argv=None):
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.run_dir / "adapter")
     iteration = msgrpo.load_checkpoint(args.run_dir)["iteration"]
-    results = {f"trained_iteration_{iteration}": msgrpo.evaluate_policy(model, tokenizer, cfg)}
+    msgrpo.record_eval(args.run_dir, iteration, msgrpo.evaluate_policy(model, tokenizer, cfg))
     with model.disable_adapter():
-        results["base"] = msgrpo.evaluate_policy(model, tokenizer, cfg)
-    msgrpo.save_json(args.run_dir / "eval_base_vs_trained.json", results)
-    for name, result in results.items():
-        lo, hi = result["success_ci95"]
-        print(f"{name}: success {result['success_rate']:.3f} [{lo:.3f}, {hi:.3f}] over {result['episodes']} "
-              f"held-out episodes, invalid rate {result['invalid_rate']:.3f}")
+        msgrpo.record_eval(args.run_dir, 0, msgrpo.evaluate_policy(model, tokenizer, cfg))
+    msgrpo.plot_curves(args.run_dir)
+    print(msgrpo.eval_table(msgrpo.load_json(args.run_dir / "eval.json")))
 
 
 if __name__ == "__main__":

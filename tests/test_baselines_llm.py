@@ -250,6 +250,20 @@ def test_compare_can_be_cut_down_to_a_few_agents(tmp_path):
     assert report["games"]["frozen_lake_slippery"]["optimum"] == pytest.approx(0.8167, abs=1e-4)
 
 
+def test_compare_again_updates_its_cells_and_keeps_the_others(tmp_path):
+    """Slow rows and fast rows can come from separate commands into one table (same seeds)."""
+    first = baselines.main(["--compare", "--episodes", "2", "--agents", "random", "--games", "frozen_lake",
+                            "--out", str(tmp_path)])
+    second = baselines.main(["--compare", "--episodes", "2", "--agents", "optimal", "--games", "frozen_lake,snake",
+                             "--out", str(tmp_path)])
+    assert second["results"]["random"] == first["results"]["random"]
+    assert set(second["results"]["optimal"]) == {"frozen_lake", "snake"}
+    assert set(second["games"]) == {"frozen_lake", "snake"}
+    other_seeds = baselines.main(["--compare", "--episodes", "3", "--agents", "optimal", "--games", "snake",
+                                  "--out", str(tmp_path)])
+    assert set(other_seeds["results"]) == {"optimal"}  # different seeds: a fresh table
+
+
 def test_compare_rejects_an_unknown_game(capsys):
     with pytest.raises(SystemExit):
         baselines.main(["--compare", "--games", "chess"])

@@ -339,6 +339,23 @@ def test_gradients_are_the_same_before_and_after_sampling():
         torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-7)
 
 
+def test_generation_swaps_the_packed_layout_in_and_out(tiny):
+    """Rollouts may use bitsandbytes' packed CPU layout; training must get the original tensors back."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import has_avx512bf16
+
+    cfg, model, tokenizer = tiny
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    before = [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers]
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
+    with msgrpo.packed_4bit_weights(model):
+        packed = [bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False)) for m in layers]
+    msgrpo.sample_responses(model, tokenizer, [prompt], 4, 1.0)
+    assert [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers] == before
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+    assert all(packed) == has_avx512bf16() and any(packed) == has_avx512bf16()
+
+
 def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, beta=0.1, lr=5e-2, epochs=3)

@@ -1,0 +1,111 @@
+"""How well does a model play Frozen Lake under a prompt, before any training? Exactly, cheaply.
+
+    python benchmarks/prompt_probe.py --maps 16
+    python benchmarks/prompt_probe.py --adapter runs/fl-b/adapter
+
+With `<action>` pre-filled, the reply's first token decides the move, so one forward pass per
+(map, cell) gives the policy's probability of each move in every cell (the rest of the mass is an
+invalid reply: stay put, as the game does). Dynamic programming over those probabilities then gives
+the exact success probability within the step limit when sampling at temperature 1, and the greedy
+policy's success, with no sampling noise. Approximations: the step counter in the prompt is held
+at its start value, and a reply whose first token names a move is taken to be that move.
+
+Prints one row per format instruction: valid-reply mass, P(success | sampling), greedy success.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import envs  # noqa: E402
+import msgrpo  # noqa: E402
+
+EXAMPLES = "Answer with exactly one action word from the action list, inside <action></action>, e.g. "
+FORMATS = {
+    "one example: up": EXAMPLES + "<action>up</action>.",
+    "one example: right": EXAMPLES + "<action>right</action>.",
+    "all four examples": EXAMPLES + "<action>left</action>, <action>down</action>, <action>right</action>"
+                                    " or <action>up</action>.",
+    "two examples: down, right (msgrpo.FORMAT_PLAIN)": msgrpo.FORMAT_PLAIN,
+}
+
+
+def move_probabilities(model, tokenizer, cfg, system, maps):
+    """{(map, cell): (P(first reply token names each move), greedy move or None)} per open cell."""
+    first_tokens = [sorted({tokenizer.encode(w, add_special_tokens=False)[0] for w in (move, " " + move)})
+                    for move in envs.FROZEN_LAKE_ACTIONS]
+    items = []
+    for map_rows in maps:
+        game = envs.make("frozen_lake", map=list(map_rows), max_steps=cfg.env_options.get("max_steps", 16))
+        game.reset(seed=0)
+        for row, line in enumerate(map_rows):
+            for col, tile in enumerate(line):
+                if tile in "HG":
+                    continue
+                game.position = (row, col)
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": game.observation()}]
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                items.append(((map_rows, (row, col)), tokenizer(text + "<action>", add_special_tokens=False).input_ids))
+    probabilities = {}
+    for start in range(0, len(items), 16):
+        chunk = items[start:start + 16]
+        ids, mask = msgrpo.left_pad([prompt for _, prompt in chunk], tokenizer.pad_token_id)
+        with torch.no_grad(), msgrpo.packed_4bit_weights(model):
+            probs = model(input_ids=ids, attention_mask=mask).logits[:, -1].float().softmax(-1)
+        for row, (key, _) in enumerate(chunk):
+            top = int(probs[row].argmax())
+            greedy = next((move for move, tokens in enumerate(first_tokens) if top in tokens), None)
+            probabilities[key] = (np.array([probs[row, tokens].sum().item() for tokens in first_tokens]), greedy)
+    return probabilities
+
+
+def success_probability(map_rows, policy, max_steps):
+    """P(reach the goal within max_steps) from the start; policy(cell) -> move probabilities."""
+    cells = [(r, c) for r in range(len(map_rows)) for c in range(len(map_rows[0]))]
+    values = {cell: float(map_rows[cell[0]][cell[1]] == "G") for cell in cells}
+    for _ in range(max_steps):
+        new = {}
+        for cell in cells:
+            if map_rows[cell[0]][cell[1]] in "HG":
+                new[cell] = values[cell]
+                continue
+            p = policy(cell)
+            new[cell] = (sum(p[a] * values[envs.frozen_lake_slide(map_rows, cell, a)] for a in range(4))
+                         + (1 - p.sum()) * values[cell])
+        values = new
+    return values[envs.cells_with(map_rows, "S")[0]]
+
+
+def one_hot(move):
+    """The greedy policy as probabilities: all on one move, or none (an invalid reply)."""
+    return np.eye(4)[move] if move is not None else np.zeros(4)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--maps", type=int, default=16, help="random 4x4 maps (seeds 700, 701, ...)")
+    parser.add_argument("--adapter", help="a trained LoRA adapter folder (default: the base model)")
+    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
+    args = parser.parse_args(argv)
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model=args.model, run_dir="unused"))
+    model, tokenizer = msgrpo.load_policy(cfg, adapter=args.adapter)
+    max_steps = envs.make("frozen_lake").max_steps
+    maps = [tuple(envs.make("frozen_lake").reset(seed=700 + i)[1]["map"]) for i in range(args.maps)]
+    formats = {"msgrpo.FORMAT_PLAIN": msgrpo.FORMAT_PLAIN} if args.adapter else FORMATS
+    print("| format instruction | valid-reply mass | P(success), sampled at T=1 | greedy success |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, instruction in formats.items():
+        probs = move_probabilities(model, tokenizer, cfg, f"{msgrpo.SYSTEM_PROMPT} {instruction}", maps)
+        valid = np.mean([p.sum() for p, _ in probs.values()])
+        sampled = np.mean([success_probability(m, lambda cell: probs[(m, cell)][0], max_steps) for m in maps])
+        greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]), max_steps)
+                          for m in maps])
+        print(f"| {name} | {valid:.2f} | {sampled:.3f} | {greedy:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
