@@ -11,7 +11,7 @@ The file reads top to bottom in the order data flows:
     3. model                  NF4 4-bit base + LoRA adapter (peft)
     4. rollouts               B groups x G episodes in lockstep, one batched generate per step
     5. returns                R_i = sum_t r_{i,t}
-    6. advantages             A_i = (R_i - mean_g R) / (std_g R + eps), broadcast to every token
+    6. advantages             A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
     7. AAW sampling           draw K episodes without replacement, P(i) proportional to |A_i|
     8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
     9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
@@ -57,7 +57,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    iterations: int = 100
+    iterations: int = 0  # 0 = 100 on CUDA, 12 on the CPU: past ~13 the CPU run collapsed (results/NOTES.md)
     groups: int = 2  # B: start states per iteration
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
@@ -65,7 +65,9 @@ class Config:
     prefill: bool = True  # end the prompt with "<action>" when not thinking (SPEC section 3)
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
     invalid_penalty: float = -0.1
-    scale_advantages: bool = True  # divide by the group's std; --no-std turns it off
+    # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as
+    # a goal, and the CPU run collapsed onto one reply; R - mean keeps goals 10x louder (results/NOTES.md).
+    scale_advantages: bool = False
     sampling: str = "aaw"  # aaw | uniform | all
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
@@ -76,7 +78,7 @@ class Config:
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2
     gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
-    eval_every: int = 10  # 0 = evaluate only before and after training
+    eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200
     seed: int = 0
     run_dir: str = ""  # "" = runs/<env>-<time>
@@ -87,6 +89,8 @@ def resolve_defaults(cfg: Config) -> Config:
     changes = {}
     if not cfg.model:
         changes["model"] = GPU_MODEL if torch.cuda.is_available() else CPU_MODEL
+    if not cfg.iterations:
+        changes["iterations"] = 100 if torch.cuda.is_available() else 12
     if not cfg.max_new_tokens:
         changes["max_new_tokens"] = 256 if cfg.think else 6
     if not cfg.run_dir:
@@ -426,7 +430,8 @@ def episode_returns(rewards: list[list[float]]) -> np.ndarray:
 
 
 def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) -> np.ndarray:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) within each group g (population std).
+    """A_i = (R_i - mean_g R) / (std_g R + eps) within each group g (population std); R_i - mean_g R
+    when scale is False (the trainer's default, Config.scale_advantages).
 
     Normalising over the whole batch instead would mix start states of different difficulty.
     A group whose returns are all equal gets exactly 0: it carries no signal about which
@@ -877,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-quantize", dest="quantize", action="store_false", help="keep the base in bf16/fp32")
     p.add_argument("--lora-r", type=int, help=f"LoRA rank (default {d.lora_r})")
     for name, kind, text in [
-        ("iterations", int, "training iterations"), ("groups", int, "B: start states per iteration"),
+        ("iterations", int, "training iterations (0: 100 on CUDA, 12 on the CPU)"), ("groups", int, "B: start states per iteration"),
         ("group-size", int, "G: episodes per start state"), ("temperature", float, "sampling temperature"),
         ("max-new-tokens", int, "tokens per response (0: 6, or 256 with --think)"),
         ("invalid-penalty", float, "reward added for an unparseable or illegal response"),
@@ -891,8 +896,8 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
-    p.add_argument("--no-std", dest="scale_advantages", action="store_false",
-                   help="advantages R - mean, not divided by the group's std")
+    p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
+                   help="divide advantages by the group's std, as the paper does (default off: R - mean)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")

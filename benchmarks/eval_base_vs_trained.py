@@ -1,6 +1,6 @@
 """Greedy held-out evaluation of a run's LoRA adapter and of its base model, on the same seeds.
 
-    python benchmarks/eval_base_vs_trained.py runs/fl-a --episodes 200
+    python benchmarks/eval_base_vs_trained.py runs/fl-a --episodes 200 [--sampled]
 
 One model in memory: the base is the same model with the adapter disabled. Records both in
 <run>/eval.json as the trainer does (iteration 0 = the base model), redraws curves.png and prints
@@ -8,6 +8,7 @@ the table. For runs trained with --eval-episodes 0, or to re-evaluate on more ep
 """
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -20,16 +21,25 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--episodes", type=int, default=200)
+    parser.add_argument("--sampled", action="store_true",
+                        help="also play both at the training temperature (stored under 'sampled', as train() does)")
     args = parser.parse_args(argv)
     cfg = msgrpo.Config(**msgrpo.load_json(args.run_dir / "config.json"))
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.run_dir / "adapter")
-    iteration = msgrpo.load_checkpoint(args.run_dir)["iteration"]
-    msgrpo.record_eval(args.run_dir, iteration, msgrpo.evaluate_policy(model, tokenizer, cfg))
-    with model.disable_adapter():
-        msgrpo.record_eval(args.run_dir, 0, msgrpo.evaluate_policy(model, tokenizer, cfg))
+    iteration = msgrpo.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration
+    for adapter_on, at in [(True, iteration), (False, 0)]:
+        with contextlib.nullcontext() if adapter_on else model.disable_adapter():
+            result = msgrpo.evaluate_policy(model, tokenizer, cfg)
+            if args.sampled:
+                result["sampled"] = msgrpo.evaluate_policy(model, tokenizer, cfg, greedy=False)
+        msgrpo.record_eval(args.run_dir, at, result)
     msgrpo.plot_curves(args.run_dir)
-    print(msgrpo.eval_table(msgrpo.load_json(args.run_dir / "eval.json")))
+    evals = msgrpo.load_json(args.run_dir / "eval.json")
+    print(msgrpo.eval_table(evals))
+    if args.sampled:
+        print("sampled at the training temperature:")
+        print(msgrpo.eval_table([{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]))
 
 
 if __name__ == "__main__":

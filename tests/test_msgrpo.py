@@ -309,6 +309,26 @@ def test_bundled_smollm2_runs_one_iteration(tmp_path):
     assert envs.heldout_seeds(1)[0] >= envs.HELDOUT_SEED_START
 
 
+@pytest.mark.slow
+def test_committed_adapter_reproduces_its_held_out_success():
+    """results/frozen_lake_cpu/adapter, loaded on the bundled model through PeftModel.from_pretrained
+    (load_policy's path), plays the first 64 of its 200 held-out maps within eval.json's interval."""
+    import dataclasses
+    from pathlib import Path
+
+    from peft import PeftModel
+
+    run = Path(__file__).resolve().parent.parent / "results" / "frozen_lake_cpu"
+    cfg = msgrpo.Config(**msgrpo.load_json(run / "config.json"))
+    trained = msgrpo.load_json(run / "eval.json")[-1]
+    assert trained["iteration"] > 0 and trained["episodes"] >= 200
+    model, tokenizer = msgrpo.load_policy(dataclasses.replace(cfg, eval_episodes=64), adapter=run / "adapter")
+    assert isinstance(model, PeftModel)
+    result = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=64))
+    low, high = trained["success_ci95"]
+    assert low <= result["success_rate"] <= high, (result["success_rate"], trained["success_ci95"])
+
+
 def test_gradients_are_the_same_before_and_after_sampling():
     """bitsandbytes may repack 4-bit weights for CPU inference on the first no-grad eval forward,
     after which its matmul has no backward. Training after a rollout must see the same gradients."""
