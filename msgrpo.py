@@ -710,7 +710,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
         final["sampled"] = evaluate_policy(model, tokenizer, cfg, greedy=False)  # as it explores
         record_eval(run_dir, cfg.iterations, final)
     plot_curves(run_dir)
-    print(eval_table(load_json(run_dir / "eval.json", [])))
+    if evals := load_json(run_dir / "eval.json", []):
+        print(eval_table(evals))
     return run_dir
 
 
@@ -820,16 +821,15 @@ def eval_table(evals: list[dict]) -> str:
 
 def plot_curves(run_dir: Path) -> None:
     """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
 
     metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
     groups = load_json(run_dir / "config.json", {}).get("groups", 1)
     if not metrics:
         return
     x = [m["iteration"] for m in metrics]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     axes[0].plot(x, [m["success_rate"] for m in metrics], label="training episodes")
     if evals:
         axes[0].errorbar([e["iteration"] for e in evals], [e["success_rate"] for e in evals],
@@ -850,7 +850,6 @@ def plot_curves(run_dir: Path) -> None:
     axes[2].legend()
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------
