@@ -831,11 +831,12 @@ def plot_curves(run_dir: Path) -> None:
     fig = Figure(figsize=(15, 4))
     axes = fig.subplots(1, 3)
     axes[0].plot(x, [m["success_rate"] for m in metrics], label="training episodes")
-    if evals:
-        axes[0].errorbar([e["iteration"] for e in evals], [e["success_rate"] for e in evals],
-                         yerr=np.abs(np.array([e["success_ci95"] for e in evals]).T
-                                     - [e["success_rate"] for e in evals]),
-                         fmt="o-", capsize=3, label="held-out, greedy (95% CI)")
+    sampled = [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
+    for points, label in [(evals, "held-out, greedy (95% CI)"), (sampled, "held-out, sampled (95% CI)")]:
+        if points:
+            rates = [e["success_rate"] for e in points]
+            axes[0].errorbar([e["iteration"] for e in points], rates, fmt="o-", capsize=3, label=label,
+                             yerr=np.abs(np.array([e["success_ci95"] for e in points]).T - rates))
     axes[0].set(title="success rate", xlabel="iteration", ylim=(-0.02, 1.02))
     axes[0].legend()
     axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")

@@ -70,7 +70,7 @@ def main(argv=None):
     tokens = sum(len(p) + len(r) for p, r, _ in steps)
     batches = [msgrpo.collate_steps(chunk, tokenizer.pad_token_id) for chunk in msgrpo.chunks(steps, cfg.micro_batch)]
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), msgrpo.packed_4bit_weights(model):  # as update_policy's scoring pass
         _, scoring_s = timed(lambda: [msgrpo.response_logprobs(model, b, cfg.temperature) for b in batches])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     _, update_s = timed(msgrpo.update_policy, model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
