@@ -276,9 +276,10 @@ def keep_4bit_weights_differentiable(model) -> None:
 
 @contextmanager
 def packed_4bit_weights(model):
-    """Generate with bitsandbytes' packed CPU layout, train with the differentiable one.
+    """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with
+    the differentiable one.
 
-    On AVX512-BF16 CPUs the packed layout samples about twice as fast, but its matmul has no
+    On AVX512-BF16 CPUs the packed layout samples about 1.8x as fast, but its matmul has no
     backward. The base weights never change, so each layer packs a copy once and the two layouts
     are swapped in for generation and back out after it; nothing is converted back (bitsandbytes'
     inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing.
