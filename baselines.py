@@ -603,7 +603,7 @@ def run_comparison(args):
             result.update(score=score, score_ci95=interval,
                           fraction_of_optimum=score / reference if reference > 0 else None)
             report["results"].setdefault(name, {})[column] = result
-            report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == name and x["game"] in (column, "all"))]
+            forget_skips(report, name, column, "all")
             save_report(report, args.out)  # after every cell: a long run that stops keeps what it did
     save_report(report, args.out)
     print(comparison_markdown(report))
@@ -611,8 +611,13 @@ def run_comparison(args):
 
 
 def note_skip(report, agent, game, reason):
-    report["skipped"] = [x for x in report["skipped"] if (x["agent"], x["game"]) != (agent, game)]
+    forget_skips(report, agent, game)
     report["skipped"].append({"agent": agent, "game": game, "reason": reason})
+
+
+def forget_skips(report, agent, *games):
+    """Drop earlier "skipped" entries of `agent` on these games: a rerun has news about them."""
+    report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == agent and x["game"] in games)]
 
 
 def previous_report(out, seeds):

@@ -820,6 +820,11 @@ def eval_table(evals: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def sampled_evals(evals: list[dict]) -> list[dict]:
+    """The evaluations that also played at the training temperature, as rows of their own."""
+    return [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
+
+
 def plot_curves(run_dir: Path) -> None:
     """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
     from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
@@ -832,8 +837,7 @@ def plot_curves(run_dir: Path) -> None:
     fig = Figure(figsize=(15, 4))
     axes = fig.subplots(1, 3)
     axes[0].plot(x, [m["success_rate"] for m in metrics], label="training episodes")
-    sampled = [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
-    for points, label in [(evals, "held-out, greedy (95% CI)"), (sampled, "held-out, sampled (95% CI)")]:
+    for points, label in [(evals, "held-out, greedy (95% CI)"), (sampled_evals(evals), "held-out, sampled (95% CI)")]:
         if points:
             rates = [e["success_rate"] for e in points]
             axes[0].errorbar([e["iteration"] for e in points], rates, fmt="o-", capsize=3, label=label,

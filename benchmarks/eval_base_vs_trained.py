@@ -39,7 +39,7 @@ def main(argv=None):
     print(msgrpo.eval_table(evals))
     if args.sampled:
         print("sampled at the training temperature:")
-        print(msgrpo.eval_table([{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]))
+        print(msgrpo.eval_table(msgrpo.sampled_evals(evals)))
 
 
 if __name__ == "__main__":

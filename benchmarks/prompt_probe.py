@@ -15,6 +15,7 @@ Prints one row per format instruction: valid-reply mass, P(success | sampling), 
 
 import argparse
 import sys
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -34,22 +35,20 @@ FORMATS = {
 }
 
 
-def move_probabilities(model, tokenizer, cfg, system, maps):
+def move_probabilities(model, tokenizer, cfg, maps):
     """{(map, cell): (P(first reply token names each move), greedy move or None)} per open cell."""
     first_tokens = [sorted({tokenizer.encode(w, add_special_tokens=False)[0] for w in (move, " " + move)})
                     for move in envs.FROZEN_LAKE_ACTIONS]
     items = []
     for map_rows in maps:
-        game = envs.make("frozen_lake", map=list(map_rows), max_steps=cfg.env_options.get("max_steps", 16))
+        game = envs.make("frozen_lake", **{**msgrpo.env_options(cfg), "map": list(map_rows)})
         game.reset(seed=0)
         for row, line in enumerate(map_rows):
             for col, tile in enumerate(line):
                 if tile in "HG":
                     continue
                 game.position = (row, col)
-                messages = [{"role": "system", "content": system}, {"role": "user", "content": game.observation()}]
-                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-                items.append(((map_rows, (row, col)), tokenizer(text + "<action>", add_special_tokens=False).input_ids))
+                items.append(((map_rows, (row, col)), msgrpo.lap_prompt_ids(tokenizer, game.observation(), cfg)))
     probabilities = {}
     for start in range(0, len(items), 16):
         chunk = items[start:start + 16]
@@ -99,7 +98,8 @@ def main(argv=None):
     print("| format instruction | valid-reply mass | P(success), sampled at T=1 | greedy success |")
     print("| --- | ---: | ---: | ---: |")
     for name, instruction in formats.items():
-        probs = move_probabilities(model, tokenizer, cfg, f"{msgrpo.SYSTEM_PROMPT} {instruction}", maps)
+        with mock.patch.object(msgrpo, "FORMAT_PLAIN", instruction):  # the trainer's prompt, this instruction
+            probs = move_probabilities(model, tokenizer, cfg, maps)
         valid = np.mean([p.sum() for p, _ in probs.values()])
         sampled = np.mean([success_probability(m, lambda cell: probs[(m, cell)][0], max_steps) for m in maps])
         greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]), max_steps)

@@ -319,12 +319,12 @@ def test_committed_adapter_reproduces_its_held_out_success():
     from peft import PeftModel
 
     run = Path(__file__).resolve().parent.parent / "results" / "frozen_lake_cpu"
-    cfg = msgrpo.Config(**msgrpo.load_json(run / "config.json"))
+    cfg = dataclasses.replace(msgrpo.Config(**msgrpo.load_json(run / "config.json")), eval_episodes=64)
     trained = msgrpo.load_json(run / "eval.json")[-1]
     assert trained["iteration"] > 0 and trained["episodes"] >= 200
-    model, tokenizer = msgrpo.load_policy(dataclasses.replace(cfg, eval_episodes=64), adapter=run / "adapter")
+    model, tokenizer = msgrpo.load_policy(cfg, adapter=run / "adapter")
     assert isinstance(model, PeftModel)
-    result = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=64))
+    result = msgrpo.evaluate_policy(model, tokenizer, cfg)
     low, high = trained["success_ci95"]
     assert low <= result["success_rate"] <= high, (result["success_rate"], trained["success_ci95"])
 
