@@ -14,10 +14,11 @@ The file reads top to bottom in the order data flows:
     6. advantages             A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
     7. AAW sampling           draw K episodes without replacement, P(i) proportional to |A_i|
     8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
-    9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
-   10. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds
-   11. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
-   12. CLI                    python msgrpo.py --env frozen_lake
+    9. POAD (--algo poad)     the other credit assignment: a critic and a per-token backup (BAD)
+   10. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
+   11. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds
+   12. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
+   13. CLI                    python msgrpo.py --env frozen_lake
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import envs
 
 GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 CPU_MODEL = "smollm2-135m"
+ALGOS = ("msgrpo", "poad", "ntpo")
 
 
 @dataclass
@@ -76,7 +78,13 @@ class Config:
     lr: float = 3e-4
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
-    eps_clip: float = 0.2
+    eps_clip: float = 0.2  # ratio clip; POAD also clips its value change by it (CleanRL's ppo.py)
+    # --algo poad | ntpo (section 9): per-token advantages from a critic. sampling, sample_frac,
+    # scale_advantages and beta are MS-GRPO's and do not apply: the critic's update uses every step.
+    algo: str = "msgrpo"
+    gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
+    gae_lambda: float = 0.95
+    vf_coef: float = 0.5  # weight of the value loss
     gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
     eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200
@@ -97,6 +105,8 @@ def resolve_defaults(cfg: Config) -> Config:
         changes["run_dir"] = f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.sampling not in ("aaw", "uniform", "all"):
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
+    if cfg.algo not in ALGOS:
+        raise ValueError(f"algo must be one of {', '.join(ALGOS)}, not {cfg.algo!r}")
     return dataclasses.replace(cfg, **changes)
 
 
@@ -486,6 +496,12 @@ def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) 
     return StepBatch(input_ids, attention_mask, response_mask, advantages)
 
 
+def chunks(items: list, size: int):
+    size = size if size > 0 else len(items)
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. AAW sampling: which episodes the update trains on
 # ---------------------------------------------------------------------------------------------
@@ -559,14 +575,180 @@ def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torc
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. Training loop
+# 9. POAD (--algo poad): per-token advantages from a critic, by the Bellman backup with Action
+#    Decomposition (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and
+#    V_j = V(o_t, w_1..w_j) is the value before token w_j+1 is sampled (V_0 = V(o_t)):
+#      inside an action   delta_j = V_j - V_j-1                       (no reward, no discount)
+#      its last token     delta_n = r_t + gamma V(o_t+1) - V_n-1
+#      GAE                A_j = delta_j + lambda A_j+1 inside an action, gamma lambda across actions
+#    --algo ntpo flattens the episode into one token sequence instead: delta = r + gamma V(next
+#    token) - V at every token, gamma lambda everywhere, so credit decays with the number of tokens
+#    in between rather than the number of actions. With one-token actions the two are the same.
 # ---------------------------------------------------------------------------------------------
 
 
-def chunks(items: list, size: int):
-    size = size if size > 0 else len(items)
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
+class ValueHead(torch.nn.Module):
+    """V from one last-layer hidden state: a two-layer MLP, fp32 like the LoRA weights."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden_size, hidden_size), torch.nn.Tanh(),
+                                       torch.nn.Linear(hidden_size, 1))
+        # V starts at 0 everywhere, so the first backups are plain discounted returns, not noise.
+        torch.nn.init.zeros_(self.mlp[2].weight)
+        torch.nn.init.zeros_(self.mlp[2].bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden.float()).squeeze(-1)
+
+
+def bad_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
+    """values[t][j] = V(o_t, w_1..w_j) for each token of action t; rewards[t] = r_t.
+
+    Nothing follows the last action (V = 0 after it): the observation counts the steps left, so
+    running out of steps is a terminal state of what the model sees, like falling in a hole.
+    """
+    advantages = [np.zeros(len(v)) for v in values]
+    next_value = next_advantage = 0.0  # V(o_t+1) and the advantage of action t+1's first token
+    for t in reversed(range(len(values))):
+        v, a = np.asarray(values[t], dtype=float), advantages[t]
+        a[-1] = rewards[t] + gamma * next_value - v[-1] + gamma * lam * next_advantage
+        for j in reversed(range(len(v) - 1)):
+            a[j] = v[j + 1] - v[j] + lam * a[j + 1]
+        next_value, next_advantage = v[0], a[0]
+    return advantages
+
+
+def ntpo_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
+    """The naive token-level backup: r_t on action t's last token, gamma and lambda at every token."""
+    lengths = [len(v) for v in values]
+    flat_values = np.concatenate([np.asarray(v, dtype=float) for v in values])
+    flat_rewards = np.zeros_like(flat_values)
+    flat_rewards[np.cumsum(lengths) - 1] = rewards
+    deltas = flat_rewards + gamma * np.append(flat_values[1:], 0.0) - flat_values
+    advantages, running = np.zeros_like(deltas), 0.0
+    for k in reversed(range(len(deltas))):
+        running = advantages[k] = deltas[k] + gamma * lam * running
+    return np.split(advantages, np.cumsum(lengths)[:-1])
+
+
+def clipped_value_loss(values, old_values, returns, mask, eps_clip: float = 0.2) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), mean over masked tokens."""
+    clipped = old_values + (values - old_values).clamp(-eps_clip, eps_clip)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    mask = mask.to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def attach_value_head(model, state: dict | None = None) -> None:
+    """The critic lives on the model (model.value_head), so model.parameters() and the optimizer
+    include it; save_checkpoint keeps it in checkpoint.pt, out of the peft adapter."""
+    device = next(model.parameters()).device
+    model.value_head = ValueHead(model.config.hidden_size).to(device)
+    if state is not None:
+        model.value_head.load_state_dict(state)
+
+
+def logprobs_and_values(model, batch: StepBatch, temperature: float):
+    """response_logprobs plus V at the same positions, from the hidden states entering the LM head.
+
+    The critic reads the adapted trunk, detached: the policy's forward computes those states
+    anyway (the adapter-disabled trunk would cost a second pass of every step, which on the CPU
+    is most of an update), and detaching keeps value gradients out of the LoRA weights, so the
+    critic cannot pull the policy's features towards predicting returns.
+    """
+    hidden = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
+    try:
+        logprobs, mask = response_logprobs(model, batch, temperature)
+    finally:
+        hook.remove()
+    # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
+    return logprobs, mask, model.value_head(hidden[0][:, :-1].detach())
+
+
+@dataclass
+class TokenStep:
+    """One step for POAD's update: its ids and, per response token, what the backup computed."""
+    prompt: list
+    response: list
+    advantages: np.ndarray
+    returns: np.ndarray  # A + V: the value targets
+    old_values: np.ndarray
+    old_logprobs: np.ndarray
+
+
+def right_aligned(rows: list, width: int) -> torch.Tensor:
+    """Per-token arrays as one [N, width] tensor, each row at the right end like the responses."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, width - len(row):] = torch.as_tensor(np.asarray(row), dtype=torch.float32)
+    return out
+
+
+def backed_up_steps(model, tokenizer, episodes: list[Episode], cfg: Config) -> list[TokenStep]:
+    """Score every step once (old log-probs and values), then run the backup episode by episode."""
+    steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
+    old_logprobs, old_values = [], []
+    model.eval()
+    with torch.no_grad(), packed_4bit_weights(model):
+        for micro in chunks(steps, cfg.micro_batch):
+            logprobs, _, values = logprobs_and_values(model, collate_steps(micro, tokenizer.pad_token_id),
+                                                      cfg.temperature)
+            for row, (_, response, _) in enumerate(micro):
+                start = logprobs.shape[1] - len(response)
+                old_logprobs.append(logprobs[row, start:].cpu().numpy())
+                old_values.append(values[row, start:].cpu().numpy())
+    backup = bad_advantages if cfg.algo == "poad" else ntpo_advantages
+    token_steps, first = [], 0
+    for ep in episodes:
+        last = first + len(ep.responses)
+        advantages = backup(old_values[first:last], ep.rewards, cfg.gamma, cfg.gae_lambda)
+        for k, a in zip(range(first, last), advantages):
+            token_steps.append(TokenStep(steps[k][0], steps[k][1], a, a + old_values[k], old_values[k],
+                                         old_logprobs[k]))
+        first = last
+    return token_steps
+
+
+def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep], cfg: Config,
+                             rng: np.random.Generator) -> dict:
+    """PPO over every step: clipped policy loss with per-token advantages + vf_coef * clipped value loss."""
+    model.train()
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
+    for _ in range(cfg.epochs):
+        for minibatch in chunks(order, cfg.minibatch):
+            optimizer.zero_grad(set_to_none=True)
+            total_tokens = sum(len(s.response) for s in minibatch)
+            logged = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0}
+            for micro in chunks(minibatch, cfg.micro_batch):
+                batch = collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
+                logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
+                width = mask.shape[1]
+                advantages, returns, old_values, old_logprobs = (
+                    right_aligned([getattr(s, name) for s in micro], width).to(logprobs.device)
+                    for name in ("advantages", "returns", "old_values", "old_logprobs"))
+                policy_loss = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip)
+                value_loss = clipped_value_loss(values, old_values, returns, mask, cfg.eps_clip)
+                weight = mask.sum().item() / total_tokens
+                ((policy_loss + cfg.vf_coef * value_loss) * weight).backward()
+                clipped = ((torch.exp(logprobs.detach() - old_logprobs) - 1).abs() > cfg.eps_clip) & mask.bool()
+                logged["loss"] += policy_loss.item() * weight
+                logged["value_loss"] += value_loss.item() * weight
+                logged["clip_frac"] += clipped.sum().item() / total_tokens
+            for name, value in logged.items():
+                stats[name].append(value)
+            params = [p for p in model.parameters() if p.requires_grad]
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
+            optimizer.step()
+    return {name: float(np.mean(values)) for name, values in stats.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Training loop
+# ---------------------------------------------------------------------------------------------
 
 
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
@@ -627,14 +809,19 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
 
     returns = episode_returns([ep.rewards for ep in episodes])
     group_ids = [ep.group for ep in episodes]
-    advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
-    chosen = choose_episodes(advantages, cfg, rng)
-    steps = episode_steps(episodes, advantages, chosen)
-
     start = time.time()
-    update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
-    update_seconds = time.time() - start
-    trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
+    if cfg.algo == "msgrpo":
+        advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
+        chosen = choose_episodes(advantages, cfg, rng)
+        steps = episode_steps(episodes, advantages, chosen)
+        update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
+        trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
+    else:  # POAD and NTPO: the critic's backup gives every token its own advantage; all steps train
+        chosen = range(len(episodes))
+        steps = backed_up_steps(model, tokenizer, episodes, cfg)
+        update = update_policy_and_critic(model, optimizer, tokenizer, steps, cfg, rng)
+        trained_tokens = sum(len(s.prompt) + len(s.response) for s in steps)
+    update_seconds = time.time() - start  # POAD's includes its scoring pass
     all_texts = [t for ep in episodes for t in ep.texts]
     sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
     return {
@@ -651,6 +838,7 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "loss": update.get("loss", 0.0),
         "clip_frac": update.get("clip_frac", 0.0),
         "kl": update.get("kl", 0.0),
+        **({"value_loss": update.get("value_loss", 0.0)} if cfg.algo != "msgrpo" else {}),
         "grad_norm": update.get("grad_norm", 0.0),
         "rollout_seconds": rollout_seconds,
         "update_seconds": update_seconds,
@@ -666,6 +854,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
+    if cfg.algo != "msgrpo":
+        attach_value_head(model, checkpoint["value_head"] if checkpoint else None)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     first = 1
     if checkpoint:
@@ -723,7 +913,7 @@ def progress_line(m: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds
+# 11. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds
 # ---------------------------------------------------------------------------------------------
 
 
@@ -754,7 +944,7 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Run folder: everything needed to inspect, plot and resume a run
+# 12. Run folder: everything needed to inspect, plot and resume a run
 # ---------------------------------------------------------------------------------------------
 
 
@@ -772,10 +962,13 @@ def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, i
     """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs."""
     # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
     # every 4-bit base weight just to throw it away.
-    lora_weights = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    lora_weights = {name: p.detach() for name, p in model.named_parameters()
+                    if p.requires_grad and not name.startswith("value_head.")}
     _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=lora_weights))
     state = {"iteration": iteration, "optimizer": optimizer.state_dict(),
              "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
+    if hasattr(model, "value_head"):  # POAD's critic: not part of the policy, so not in the adapter
+        state["value_head"] = model.value_head.state_dict()
     torch.save(state, run_dir / "checkpoint.pt.tmp")
     (run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")
 
@@ -859,7 +1052,7 @@ def plot_curves(run_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. CLI
+# 13. CLI
 # ---------------------------------------------------------------------------------------------
 
 
@@ -896,10 +1089,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("micro-batch", int, "steps per forward/backward: lower it if memory runs out"),
         ("lr", float, "AdamW learning rate"), ("grad-clip", float, "max gradient norm"),
         ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
+        ("gamma", float, "poad/ntpo: discount"), ("gae-lambda", float, "poad/ntpo: GAE lambda"),
+        ("vf-coef", float, "poad/ntpo: value-loss weight"),
         ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
         ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    p.add_argument("--algo", choices=ALGOS, help="msgrpo (default), or poad / ntpo: a critic's per-token "
+                                                 "advantages (section 9)")
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")

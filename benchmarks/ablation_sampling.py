@@ -1,0 +1,120 @@
+"""The AAW claim, measured: --sampling aaw vs uniform vs all at equal iterations, over training seeds.
+
+    python benchmarks/ablation_sampling.py --seeds 0 1 --out results/ablation_sampling
+
+Each (sampling, seed) trains `python msgrpo.py` with the defaults (only --sampling and --seed
+change) into runs/ablation/<sampling>-s<seed>, then plays the trained adapter on held-out maps,
+greedy and sampled at the training temperature. A run already trained is only evaluated again; an
+interrupted one resumes. Writes <out>/ablation.md (the table) and <out>/ablation.json, and copies
+each run's config.json, metrics.jsonl and eval.json (not the adapter) to <out>/<sampling>-s<seed>/.
+"""
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import envs  # noqa: E402
+import msgrpo  # noqa: E402
+
+SAMPLINGS = ["aaw", "uniform", "all"]
+
+
+def trained(run_dir: Path, iterations: int) -> bool:
+    return (run_dir / "adapter").exists() and len(msgrpo.read_metrics(run_dir)) >= iterations
+
+
+def train_run(sampling: str, seed: int, runs: Path, args) -> Path:
+    run_dir = runs / f"{sampling}-s{seed}"
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(sampling=sampling, seed=seed, eval_episodes=0, model=args.model,
+                                                iterations=args.iterations, run_dir=str(run_dir)))
+    if not trained(run_dir, cfg.iterations):
+        msgrpo.train(cfg, resume=(run_dir / "checkpoint.pt").exists())
+    return run_dir
+
+
+def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> dict:
+    cfg = msgrpo.Config(**msgrpo.load_json(run_dir / "config.json"))
+    model, tokenizer = msgrpo.load_policy(cfg, adapter=run_dir / "adapter")
+    result = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=greedy_episodes))
+    result["sampled"] = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=sampled_episodes),
+                                               greedy=False)
+    msgrpo.record_eval(run_dir, cfg.iterations, result)
+    return result
+
+
+def summary(run_dir: Path) -> dict:
+    cfg = msgrpo.load_json(run_dir / "config.json")
+    metrics = msgrpo.read_metrics(run_dir)
+    final = msgrpo.load_json(run_dir / "eval.json")[-1]
+    return {"sampling": cfg["sampling"], "seed": cfg["seed"], "iterations": len(metrics),
+            "train_minutes": sum(m["seconds"] for m in metrics) / 60,
+            "tokens_trained": sum(m["tokens_trained"] for m in metrics),
+            "greedy": {k: final[k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")},
+            "sampled": {k: final["sampled"][k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")}}
+
+
+def pooled(rows: list[dict], kind: str) -> str:
+    """Success over all seeds' episodes together, with its Wilson interval."""
+    wins = sum(round(r[kind]["success_rate"] * r[kind]["episodes"]) for r in rows)
+    n = sum(r[kind]["episodes"] for r in rows)
+    lo, hi = envs.wilson_interval(wins, n)
+    return f"{wins / n:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def table(rows: list[dict]) -> str:
+    def cell(r, kind):
+        lo, hi = r[kind]["success_ci95"]
+        return f"{r[kind]['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    lines = ["| sampling | seed | held-out success, sampled T=1 | greedy | invalid (sampled) "
+             "| training minutes | training tokens |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['sampling']} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
+                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['tokens_trained']:,} |")
+    for sampling in SAMPLINGS:
+        mine = [r for r in rows if r["sampling"] == sampling]
+        if mine:
+            lines.append(f"| **{sampling}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
+                         f"| {pooled(mine, 'greedy')} | {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
+                         f"| {np.mean([r['train_minutes'] for r in mine]):.1f} "
+                         f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--samplings", nargs="+", choices=SAMPLINGS, default=SAMPLINGS)
+    parser.add_argument("--iterations", type=int, default=0, help="0: msgrpo's default")
+    parser.add_argument("--model", default="", help="msgrpo's default, or tiny for a quick check")
+    parser.add_argument("--greedy-episodes", type=int, default=100)
+    parser.add_argument("--sampled-episodes", type=int, default=200)
+    parser.add_argument("--runs", type=Path, default=Path("runs/ablation"))
+    parser.add_argument("--out", type=Path, default=Path("results/ablation_sampling"))
+    args = parser.parse_args(argv)
+    rows = []
+    for seed in args.seeds:
+        for sampling in args.samplings:
+            run_dir = train_run(sampling, seed, args.runs, args)
+            final = (msgrpo.load_json(run_dir / "eval.json") or [{}])[-1]
+            if final.get("episodes") != args.greedy_episodes or final.get("sampled", {}).get("episodes") != args.sampled_episodes:
+                evaluate_run(run_dir, args.greedy_episodes, args.sampled_episodes)
+            rows.append(summary(run_dir))
+            keep = args.out / run_dir.name
+            keep.mkdir(parents=True, exist_ok=True)
+            for name in ("config.json", "metrics.jsonl", "eval.json"):
+                shutil.copy(run_dir / name, keep / name)
+            rows.sort(key=lambda r: (SAMPLINGS.index(r["sampling"]), r["seed"]))
+            (args.out / "ablation.json").write_text(json.dumps(rows, indent=2))
+            (args.out / "ablation.md").write_text(table(rows) + "\n")
+            print(table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
