@@ -1,12 +1,14 @@
-"""The AAW claim, measured: --sampling aaw vs uniform vs all at equal iterations, over training seeds.
+"""One setting varied, everything else at msgrpo.py's defaults, over training seeds; the table.
 
-    python benchmarks/ablation_sampling.py --seeds 0 1 --out results/ablation_sampling
+    python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 --out results/ablation_sampling
+    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
 
-Each (sampling, seed) trains `python msgrpo.py` with the defaults (only --sampling and --seed
-change) into runs/ablation/<sampling>-s<seed>, then plays the trained adapter on held-out maps,
-greedy and sampled at the training temperature. A run already trained is only evaluated again; an
-interrupted one resumes. Writes <out>/ablation.md (the table) and <out>/ablation.json, and copies
-each run's config.json, metrics.jsonl and eval.json (not the adapter) to <out>/<sampling>-s<seed>/.
+Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` into
+runs/ablation/<value>-s<seed> (equal iterations, so equal environment steps), then plays the
+trained adapter on held-out maps, greedy and sampled at the training temperature. A run already
+trained is only evaluated again; an interrupted one resumes. Writes <out>/ablation.md (the table)
+and <out>/ablation.json, and copies each run's config.json, metrics.jsonl and eval.json (not the
+adapter) to <out>/<value>-s<seed>/.
 """
 
 import argparse
@@ -22,16 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 
-SAMPLINGS = ["aaw", "uniform", "all"]
-
-
 def trained(run_dir: Path, iterations: int) -> bool:
     return (run_dir / "adapter").exists() and len(msgrpo.read_metrics(run_dir)) >= iterations
 
 
-def train_run(sampling: str, seed: int, runs: Path, args) -> Path:
-    run_dir = runs / f"{sampling}-s{seed}"
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(sampling=sampling, seed=seed, eval_episodes=0, model=args.model,
+def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
+    run_dir = runs / f"{value}-s{seed}"
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(**{setting: value}, seed=seed, eval_episodes=0, model=args.model,
                                                 iterations=args.iterations, run_dir=str(run_dir)))
     if not trained(run_dir, cfg.iterations):
         msgrpo.train(cfg, resume=(run_dir / "checkpoint.pt").exists())
@@ -48,11 +47,11 @@ def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> 
     return result
 
 
-def summary(run_dir: Path) -> dict:
-    cfg = msgrpo.load_json(run_dir / "config.json")
+def summary(run_dir: Path, setting: str) -> dict:
+    cfg = dataclasses.asdict(msgrpo.Config(**msgrpo.load_json(run_dir / "config.json")))
     metrics = msgrpo.read_metrics(run_dir)
     final = msgrpo.load_json(run_dir / "eval.json")[-1]
-    return {"sampling": cfg["sampling"], "seed": cfg["seed"], "iterations": len(metrics),
+    return {setting: cfg[setting], "seed": cfg["seed"], "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
             "tokens_trained": sum(m["tokens_trained"] for m in metrics),
             "greedy": {k: final[k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")},
@@ -67,20 +66,20 @@ def pooled(rows: list[dict], kind: str) -> str:
     return f"{wins / n:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], setting: str, values: list[str]) -> str:
     def cell(r, kind):
         lo, hi = r[kind]["success_ci95"]
         return f"{r[kind]['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
 
-    lines = ["| sampling | seed | held-out success, sampled T=1 | greedy | invalid (sampled) "
+    lines = [f"| {setting} | seed | held-out success, sampled T=1 | greedy | invalid (sampled) "
              "| training minutes | training tokens |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['sampling']} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
+        lines.append(f"| {r[setting]} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
                      f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['tokens_trained']:,} |")
-    for sampling in SAMPLINGS:
-        mine = [r for r in rows if r["sampling"] == sampling]
-        if mine:
-            lines.append(f"| **{sampling}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
+    for value in values:
+        mine = [r for r in rows if r[setting] == value]
+        if len(mine) > 1:
+            lines.append(f"| **{value}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
                          f"| {pooled(mine, 'greedy')} | {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
                          f"| {np.mean([r['train_minutes'] for r in mine]):.1f} "
                          f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} |")
@@ -89,31 +88,33 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("setting", choices=["sampling", "algo"], help="the Config field to vary")
+    parser.add_argument("values", nargs="+")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--samplings", nargs="+", choices=SAMPLINGS, default=SAMPLINGS)
     parser.add_argument("--iterations", type=int, default=0, help="0: msgrpo's default")
     parser.add_argument("--model", default="", help="msgrpo's default, or tiny for a quick check")
     parser.add_argument("--greedy-episodes", type=int, default=100)
     parser.add_argument("--sampled-episodes", type=int, default=200)
     parser.add_argument("--runs", type=Path, default=Path("runs/ablation"))
-    parser.add_argument("--out", type=Path, default=Path("results/ablation_sampling"))
+    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    rows = []
     for seed in args.seeds:
-        for sampling in args.samplings:
-            run_dir = train_run(sampling, seed, args.runs, args)
+        for value in args.values:
+            run_dir = train_run(args.setting, value, seed, args.runs, args)
             final = (msgrpo.load_json(run_dir / "eval.json") or [{}])[-1]
             if final.get("episodes") != args.greedy_episodes or final.get("sampled", {}).get("episodes") != args.sampled_episodes:
                 evaluate_run(run_dir, args.greedy_episodes, args.sampled_episodes)
-            rows.append(summary(run_dir))
             keep = args.out / run_dir.name
             keep.mkdir(parents=True, exist_ok=True)
             for name in ("config.json", "metrics.jsonl", "eval.json"):
                 shutil.copy(run_dir / name, keep / name)
-            rows.sort(key=lambda r: (SAMPLINGS.index(r["sampling"]), r["seed"]))
+            # The table holds every run kept in --out, so seeds run on different days add up.
+            rows = [summary(kept, args.setting) for kept in args.out.glob("*-s*") if kept.is_dir()]
+            rows = sorted((r for r in rows if r[args.setting] in args.values),
+                          key=lambda r: (args.values.index(r[args.setting]), r["seed"]))
             (args.out / "ablation.json").write_text(json.dumps(rows, indent=2))
-            (args.out / "ablation.md").write_text(table(rows) + "\n")
-            print(table(rows), flush=True)
+            (args.out / "ablation.md").write_text(table(rows, args.setting, args.values) + "\n")
+            print(table(rows, args.setting, args.values), flush=True)
 
 
 if __name__ == "__main__":
