@@ -740,8 +740,11 @@ def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep]
                 logged["clip_frac"] += clipped.sum().item() / total_tokens
             for name, value in logged.items():
                 stats[name].append(value)
-            params = [p for p in model.parameters() if p.requires_grad]
-            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
+            # Clipped apart: one norm over both would let a large value gradient shrink the policy's.
+            policy = [p for name, p in model.named_parameters()
+                      if p.requires_grad and not name.startswith("value_head.")]
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy, cfg.grad_clip).item())
+            torch.nn.utils.clip_grad_norm_(model.value_head.parameters(), cfg.grad_clip)
             optimizer.step()
     return {name: float(np.mean(values)) for name, values in stats.items()}
 

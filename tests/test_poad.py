@@ -1,5 +1,7 @@
 """POAD (--algo poad / ntpo): the backups against hand-computed values, the critic on the tiny model."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,17 @@ def test_unknown_algo_fails_clearly(capsys):
     assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(ValueError, match="algo"):
         msgrpo.resolve_defaults(msgrpo.Config(algo="ppo"))
+
+
+def test_the_critic_gradient_does_not_shrink_the_policys():
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused", algo="poad", lr=0.0))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    msgrpo.attach_value_head(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)  # nothing moves
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "state", cfg)
+    step = msgrpo.TokenStep(prompt, [11, 12], advantages=np.array([1.0, -1.0]), returns=np.array([50.0, 50.0]),
+                            old_values=np.zeros(2), old_logprobs=np.zeros(2))
+    norms = [msgrpo.update_policy_and_critic(model, optimizer, tokenizer, [step], dataclasses.replace(cfg, vf_coef=c),
+                                             np.random.default_rng(0))["grad_norm"] for c in (0.0, 100.0)]
+    assert norms[0] > 0 and norms[0] == pytest.approx(norms[1])
