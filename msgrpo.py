@@ -575,7 +575,7 @@ def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torc
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. POAD (--algo poad): per-token advantages from a critic, by the Bellman backup with Action
+# 9. POAD (--algo poad | ntpo): per-token advantages from a critic, by the Bellman backup with Action
 #    Decomposition (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and
 #    V_j = V(o_t, w_1..w_j) is the value before token w_j+1 is sampled (V_0 = V(o_t)):
 #      inside an action   delta_j = V_j - V_j-1                       (no reward, no discount)
