@@ -858,7 +858,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
     rng = np.random.default_rng(cfg.seed)
     model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
     if cfg.algo != "msgrpo":
-        attach_value_head(model, checkpoint["value_head"] if checkpoint else None)
+        attach_value_head(model, (checkpoint or {}).get("value_head"))  # a new critic if none was saved
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     first = 1
     if checkpoint:

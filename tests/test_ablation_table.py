@@ -1,0 +1,26 @@
+"""benchmarks/ablation.py's table: per-run rows, and seeds pooled by counting episodes, not averaging rates."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import ablation  # noqa: E402
+import envs  # noqa: E402
+
+
+def run_row(sampling, seed, wins, episodes, minutes, tokens):
+    result = {"episodes": episodes, "success_rate": wins / episodes,
+              "success_ci95": list(envs.wilson_interval(wins, episodes)), "invalid_rate": 0.0}
+    return {"sampling": sampling, "seed": seed, "iterations": 12, "train_minutes": minutes,
+            "tokens_trained": tokens, "greedy": result, "sampled": result}
+
+
+def test_seeds_pool_their_episodes():
+    rows = [run_row("aaw", 0, 30, 100, 10.0, 1000), run_row("aaw", 1, 10, 50, 20.0, 3000),
+            run_row("all", 0, 5, 100, 30.0, 9000)]
+    text = ablation.table(rows, "sampling", ["aaw", "uniform", "all"])
+    lo, hi = envs.wilson_interval(40, 150)
+    assert f"| **aaw, seeds pooled** | 2 | {40 / 150:.3f} [{lo:.3f}, {hi:.3f}]" in text  # not (0.3 + 0.2) / 2
+    assert "| 15.0 | 2,000 |" in text  # mean minutes and tokens over the seeds
+    assert "all, seeds pooled" not in text and "uniform" not in text  # one seed: no pooled row; none: no row
+    assert text.count("\n") == 2 + 3 + 1 - 1
