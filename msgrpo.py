@@ -804,7 +804,8 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
 
 
 def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
-    """One MS-GRPO iteration (SPEC section 4, steps 1-7); returns its metrics."""
+    """One iteration (SPEC section 4, steps 1-7; --algo poad | ntpo: section 9 replaces advantages,
+    sampling and update); returns its metrics."""
     start = time.time()
     seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
     episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
