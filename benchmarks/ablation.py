@@ -54,6 +54,8 @@ def summary(run_dir: Path, setting: str) -> dict:
     return {setting: cfg[setting], "seed": cfg["seed"], "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
             "tokens_trained": sum(m["tokens_trained"] for m in metrics),
+            # Shows the machine's speed: wall times from different days compare only through it.
+            "train_tokens_per_second": float(np.mean([m["train_tokens_per_second"] for m in metrics])),
             "greedy": {k: final[k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")},
             "sampled": {k: final["sampled"][k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")}}
 
@@ -72,17 +74,19 @@ def table(rows: list[dict], setting: str, values: list[str]) -> str:
         return f"{r[kind]['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
 
     lines = [f"| {setting} | seed | held-out success, sampled T=1 | greedy | invalid (sampled) "
-             "| training minutes | training tokens |", "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+             "| training minutes | training tokens | update tokens/s |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r[setting]} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
-                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['tokens_trained']:,} |")
+                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['tokens_trained']:,} "
+                     f"| {r['train_tokens_per_second']:.0f} |")
     for value in values:
         mine = [r for r in rows if r[setting] == value]
         if len(mine) > 1:
             lines.append(f"| **{value}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
                          f"| {pooled(mine, 'greedy')} | {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
                          f"| {np.mean([r['train_minutes'] for r in mine]):.1f} "
-                         f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} |")
+                         f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} "
+                         f"| {np.mean([r['train_tokens_per_second'] for r in mine]):.0f} |")
     return "\n".join(lines)
 
 

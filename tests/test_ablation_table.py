@@ -12,7 +12,8 @@ def run_row(sampling, seed, wins, episodes, minutes, tokens):
     result = {"episodes": episodes, "success_rate": wins / episodes,
               "success_ci95": list(envs.wilson_interval(wins, episodes)), "invalid_rate": 0.0}
     return {"sampling": sampling, "seed": seed, "iterations": 12, "train_minutes": minutes,
-            "tokens_trained": tokens, "greedy": result, "sampled": result}
+            "tokens_trained": tokens, "train_tokens_per_second": tokens / minutes / 60,
+            "greedy": result, "sampled": result}
 
 
 def test_seeds_pool_their_episodes():
@@ -21,6 +22,6 @@ def test_seeds_pool_their_episodes():
     text = ablation.table(rows, "sampling", ["aaw", "uniform", "all"])
     lo, hi = envs.wilson_interval(40, 150)
     assert f"| **aaw, seeds pooled** | 2 | {40 / 150:.3f} [{lo:.3f}, {hi:.3f}]" in text  # not (0.3 + 0.2) / 2
-    assert "| 15.0 | 2,000 |" in text  # mean minutes and tokens over the seeds
+    assert "| 15.0 | 2,000 | 2 |" in text  # means over the seeds: minutes, tokens, tokens/s (1.7 and 2.5)
     assert "all, seeds pooled" not in text and "uniform" not in text  # one seed: no pooled row; none: no row
     assert text.count("\n") == 2 + 3 + 1 - 1
