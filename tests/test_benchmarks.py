@@ -1,10 +1,11 @@
-"""benchmarks/ablation.py's table: per-run rows, and seeds pooled by counting episodes, not averaging rates."""
+"""The benchmark scripts' own logic: the ablation table, the fixed-route reference."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ablation  # noqa: E402
+import fixed_routes  # noqa: E402
 import envs  # noqa: E402
 
 
@@ -25,3 +26,13 @@ def test_seeds_pool_their_episodes():
     assert "| 15.0 | 2,000 | 2 |" in text  # means over the seeds: minutes, tokens, tokens/s (1.7 and 2.5)
     assert "all, seeds pooled" not in text and "uniform" not in text  # one seed: no pooled row; none: no row
     assert text.count("\n") == 2 + 3 + 1 - 1
+
+
+def test_a_fixed_route_wins_the_maps_where_it_is_hole_free():
+    assert fixed_routes.route_cells("RRRDDD") == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (3, 3)]
+    clear = ["SFFF", "HHHF", "FFFF", "FFFG"]  # the top row and right column are ice
+    blocked = ["SFFH", "FFFF", "FFFF", "FFFG"]
+    assert fixed_routes.clear_fraction("RRRDDD", [clear, blocked]) == 0.5
+    # DDDRRR: (1, 0) is a hole in `clear`; the hole of `blocked` is off its route.
+    assert fixed_routes.clear_fraction("DDDRRR", [clear, blocked]) == 0.5
+    assert fixed_routes.clear_fraction("DDDRRR", [clear]) == 0.0
