@@ -14,8 +14,8 @@ The file reads top to bottom in the order data flows:
     6. advantages             A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
     7. AAW sampling           draw K episodes without replacement, P(i) proportional to |A_i|
     8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
-    9. POAD (--algo poad)     the other credit assignment: a critic and a per-token backup (BAD)
-   10. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
+    9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
+   10. POAD (--algo poad)     the other credit assignment: a critic and a per-token backup (BAD)
    11. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds
    12. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
    13. CLI                    python msgrpo.py --env frozen_lake
@@ -79,7 +79,7 @@ class Config:
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2  # ratio clip; POAD also clips its value change by it (CleanRL's ppo.py)
-    # --algo poad | ntpo (section 9): per-token advantages from a critic. sampling, sample_frac,
+    # --algo poad | ntpo (section 10): per-token advantages from a critic. sampling, sample_frac,
     # scale_advantages and beta are MS-GRPO's and do not apply: the critic's update uses every step.
     algo: str = "msgrpo"
     gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
@@ -575,8 +575,175 @@ def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torc
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. POAD (--algo poad | ntpo): per-token advantages from a critic, by the Bellman backup with Action
-#    Decomposition (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and
+# 9. Training loop
+# ---------------------------------------------------------------------------------------------
+
+
+def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
+    """epochs x minibatches of steps; each minibatch is one AdamW step, accumulated over micro-batches.
+
+    With one optimizer step per batch the ratio is exactly 1 at that step, so the old log-probs
+    are the new ones detached and no scoring pass is needed. Otherwise a scoring pass before the
+    first step records them (the policy that sampled the rollouts).
+    """
+    model.train()
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    minibatches = [list(chunks(mb, cfg.micro_batch)) for mb in chunks(order, cfg.minibatch)]
+    batches = [[collate_steps(micro, tokenizer.pad_token_id) for micro in mb] for mb in minibatches]
+    old_logprobs = None
+    if cfg.epochs > 1 or len(batches) > 1:
+        # No gradient here, so the fast packed layout serves, as in rollouts; the ratio then starts
+        # within ~1e-2 of 1 rather than exactly at it, which the clip range dwarfs.
+        with torch.no_grad(), packed_4bit_weights(model):
+            old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb] for mb in batches]
+    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
+    for _ in range(cfg.epochs):
+        for m, minibatch in enumerate(batches):
+            optimizer.zero_grad(set_to_none=True)
+            total_tokens = sum(int(b.response_mask.sum()) for b in minibatch)
+            logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
+            for j, batch in enumerate(minibatch):
+                logp, mask = response_logprobs(model, batch, cfg.temperature)
+                logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
+                loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
+                kl = torch.zeros((), device=logp.device)
+                if cfg.beta > 0:
+                    with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
+                        logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
+                    kl = kl_to_reference(logp, logp_ref, mask)
+                    loss = loss + cfg.beta * kl
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss.item()}")
+                weight = mask.sum().item() / total_tokens
+                (loss * weight).backward()  # token mean over the whole minibatch
+                clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
+                logged["loss"] += loss.item() * weight
+                logged["clip_frac"] += clipped.sum().item() / total_tokens
+                logged["kl"] += kl.item() * weight
+            for name, value in logged.items():
+                stats[name].append(value)
+            params = [p for p in model.parameters() if p.requires_grad]
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
+            optimizer.step()
+    return {name: float(np.mean(values)) for name, values in stats.items()}
+
+
+def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
+    """One iteration (SPEC section 4, steps 1-7; --algo poad | ntpo: section 10 replaces advantages,
+    sampling and update); returns its metrics."""
+    start = time.time()
+    seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
+    episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
+    rollout_seconds = time.time() - start
+
+    returns = episode_returns([ep.rewards for ep in episodes])
+    group_ids = [ep.group for ep in episodes]
+    start = time.time()
+    if cfg.algo == "msgrpo":
+        advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
+        chosen = choose_episodes(advantages, cfg, rng)
+        steps = episode_steps(episodes, advantages, chosen)
+        update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
+        trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
+    else:  # POAD and NTPO: the critic's backup gives every token its own advantage; all steps train
+        chosen = range(len(episodes))
+        steps = backed_up_steps(model, tokenizer, episodes, cfg)
+        update = update_policy_and_critic(model, optimizer, tokenizer, steps, cfg, rng)
+        trained_tokens = sum(len(s.prompt) + len(s.response) for s in steps)
+    update_seconds = time.time() - start  # POAD's includes its scoring pass
+    all_texts = [t for ep in episodes for t in ep.texts]
+    sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
+    return {
+        "mean_return": float(returns.mean()),
+        "success_rate": float(np.mean([ep.success for ep in episodes])),
+        "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
+        "mean_steps": len(all_texts) / len(episodes),
+        "zero_variance_groups": zero_variance_groups(returns, group_ids),
+        "episodes_trained": len(chosen),
+        "steps_trained": len(steps),
+        "tokens_trained": trained_tokens,
+        "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
+        "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per-token, Monte-Carlo
+        "loss": update.get("loss", 0.0),
+        "clip_frac": update.get("clip_frac", 0.0),
+        "kl": update.get("kl", 0.0),
+        **({"value_loss": update.get("value_loss", 0.0)} if cfg.algo != "msgrpo" else {}),
+        "grad_norm": update.get("grad_norm", 0.0),
+        "rollout_seconds": rollout_seconds,
+        "update_seconds": update_seconds,
+        "train_tokens_per_second": trained_tokens / update_seconds if update_seconds > 0 else 0.0,
+    }
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    run_dir = Path(cfg.run_dir)
+    checkpoint = load_checkpoint(run_dir) if resume else None
+    if checkpoint is None and resume:
+        raise SystemExit(f"{run_dir} has no checkpoint to resume from")
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
+    if cfg.algo != "msgrpo":
+        attach_value_head(model, (checkpoint or {}).get("value_head"))  # a new critic if none was saved
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    first = 1
+    if checkpoint:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        rng.bit_generator.state = checkpoint["numpy_rng"]
+        torch.set_rng_state(checkpoint["torch_rng"])
+        first = checkpoint["iteration"] + 1
+        truncate_metrics(run_dir, checkpoint["iteration"])
+        print(f"resuming {run_dir} after iteration {checkpoint['iteration']}")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("")
+        save_json(run_dir / "config.json", dataclasses.asdict(cfg))
+        record_eval(run_dir, 0, evaluate_policy(model, tokenizer, cfg))
+
+    last_saved = first - 1
+    try:
+        for iteration in tqdm(range(first, cfg.iterations + 1), desc="MS-GRPO iterations",
+                              initial=first - 1, total=cfg.iterations):
+            start = time.time()
+            try:
+                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng)
+            except FloatingPointError as error:
+                raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
+                                 f"{last_saved} is in {run_dir}; try a lower --lr.")
+            except torch.cuda.OutOfMemoryError:
+                raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
+                                 "--group-size / --max-new-tokens (rollouts).")
+            metrics = {"iteration": iteration, **metrics, "seconds": time.time() - start}
+            save_checkpoint(run_dir, model, optimizer, rng, iteration)
+            append_metrics(run_dir, metrics)
+            last_saved = iteration
+            tqdm.write(progress_line(metrics))
+            if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration != cfg.iterations:
+                record_eval(run_dir, iteration, evaluate_policy(model, tokenizer, cfg))
+    except KeyboardInterrupt:
+        print(f"\nInterrupted. Iterations up to {last_saved} are saved in {run_dir}; continue with "
+              f"python msgrpo.py --resume {run_dir}")
+        raise SystemExit(130)
+    evals = load_json(run_dir / "eval.json", [])
+    if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
+        final = evaluate_policy(model, tokenizer, cfg)  # greedy: the policy's best guess
+        final["sampled"] = evaluate_policy(model, tokenizer, cfg, greedy=False)  # as it explores
+        record_eval(run_dir, cfg.iterations, final)
+    plot_curves(run_dir)
+    if evals := load_json(run_dir / "eval.json", []):
+        print(eval_table(evals))
+    return run_dir
+
+
+def progress_line(m: dict) -> str:
+    return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  success {m['success_rate']:.2f}  "
+            f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
+            f"loss {m['loss']:+.3f}  {m['seconds']:.0f}s")
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. POAD (--algo poad | ntpo): per-token advantages from a critic, by the Bellman backup with
+#    Action Decomposition (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and
 #    V_j = V(o_t, w_1..w_j) is the value before token w_j+1 is sampled (V_0 = V(o_t)):
 #      inside an action   delta_j = V_j - V_j-1                       (no reward, no discount)
 #      its last token     delta_n = r_t + gamma V(o_t+1) - V_n-1
@@ -705,9 +872,9 @@ def backed_up_steps(model, tokenizer, episodes: list[Episode], cfg: Config) -> l
     for ep in episodes:
         last = first + len(ep.responses)
         advantages = backup(old_values[first:last], ep.rewards, cfg.gamma, cfg.gae_lambda)
-        for k, a in zip(range(first, last), advantages):
-            token_steps.append(TokenStep(steps[k][0], steps[k][1], a, a + old_values[k], old_values[k],
-                                         old_logprobs[k]))
+        for (prompt, response, _), a, v, logp in zip(steps[first:last], advantages, old_values[first:last],
+                                                     old_logprobs[first:last]):
+            token_steps.append(TokenStep(prompt, response, a, a + v, v, logp))
         first = last
     return token_steps
 
@@ -747,173 +914,6 @@ def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep]
             torch.nn.utils.clip_grad_norm_(model.value_head.parameters(), cfg.grad_clip)
             optimizer.step()
     return {name: float(np.mean(values)) for name, values in stats.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# 10. Training loop
-# ---------------------------------------------------------------------------------------------
-
-
-def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
-    """epochs x minibatches of steps; each minibatch is one AdamW step, accumulated over micro-batches.
-
-    With one optimizer step per batch the ratio is exactly 1 at that step, so the old log-probs
-    are the new ones detached and no scoring pass is needed. Otherwise a scoring pass before the
-    first step records them (the policy that sampled the rollouts).
-    """
-    model.train()
-    order = [steps[i] for i in rng.permutation(len(steps))]
-    minibatches = [list(chunks(mb, cfg.micro_batch)) for mb in chunks(order, cfg.minibatch)]
-    batches = [[collate_steps(micro, tokenizer.pad_token_id) for micro in mb] for mb in minibatches]
-    old_logprobs = None
-    if cfg.epochs > 1 or len(batches) > 1:
-        # No gradient here, so the fast packed layout serves, as in rollouts; the ratio then starts
-        # within ~1e-2 of 1 rather than exactly at it, which the clip range dwarfs.
-        with torch.no_grad(), packed_4bit_weights(model):
-            old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb] for mb in batches]
-    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
-    for _ in range(cfg.epochs):
-        for m, minibatch in enumerate(batches):
-            optimizer.zero_grad(set_to_none=True)
-            total_tokens = sum(int(b.response_mask.sum()) for b in minibatch)
-            logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
-            for j, batch in enumerate(minibatch):
-                logp, mask = response_logprobs(model, batch, cfg.temperature)
-                logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
-                loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
-                kl = torch.zeros((), device=logp.device)
-                if cfg.beta > 0:
-                    with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
-                        logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
-                    kl = kl_to_reference(logp, logp_ref, mask)
-                    loss = loss + cfg.beta * kl
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss.item()}")
-                weight = mask.sum().item() / total_tokens
-                (loss * weight).backward()  # token mean over the whole minibatch
-                clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
-                logged["loss"] += loss.item() * weight
-                logged["clip_frac"] += clipped.sum().item() / total_tokens
-                logged["kl"] += kl.item() * weight
-            for name, value in logged.items():
-                stats[name].append(value)
-            params = [p for p in model.parameters() if p.requires_grad]
-            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
-            optimizer.step()
-    return {name: float(np.mean(values)) for name, values in stats.items()}
-
-
-def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
-    """One iteration (SPEC section 4, steps 1-7; --algo poad | ntpo: section 9 replaces advantages,
-    sampling and update); returns its metrics."""
-    start = time.time()
-    seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
-    episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
-    rollout_seconds = time.time() - start
-
-    returns = episode_returns([ep.rewards for ep in episodes])
-    group_ids = [ep.group for ep in episodes]
-    start = time.time()
-    if cfg.algo == "msgrpo":
-        advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
-        chosen = choose_episodes(advantages, cfg, rng)
-        steps = episode_steps(episodes, advantages, chosen)
-        update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
-        trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
-    else:  # POAD and NTPO: the critic's backup gives every token its own advantage; all steps train
-        chosen = range(len(episodes))
-        steps = backed_up_steps(model, tokenizer, episodes, cfg)
-        update = update_policy_and_critic(model, optimizer, tokenizer, steps, cfg, rng)
-        trained_tokens = sum(len(s.prompt) + len(s.response) for s in steps)
-    update_seconds = time.time() - start  # POAD's includes its scoring pass
-    all_texts = [t for ep in episodes for t in ep.texts]
-    sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
-    return {
-        "mean_return": float(returns.mean()),
-        "success_rate": float(np.mean([ep.success for ep in episodes])),
-        "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
-        "mean_steps": len(all_texts) / len(episodes),
-        "zero_variance_groups": zero_variance_groups(returns, group_ids),
-        "episodes_trained": len(chosen),
-        "steps_trained": len(steps),
-        "tokens_trained": trained_tokens,
-        "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
-        "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per-token, Monte-Carlo
-        "loss": update.get("loss", 0.0),
-        "clip_frac": update.get("clip_frac", 0.0),
-        "kl": update.get("kl", 0.0),
-        **({"value_loss": update.get("value_loss", 0.0)} if cfg.algo != "msgrpo" else {}),
-        "grad_norm": update.get("grad_norm", 0.0),
-        "rollout_seconds": rollout_seconds,
-        "update_seconds": update_seconds,
-        "train_tokens_per_second": trained_tokens / update_seconds if update_seconds > 0 else 0.0,
-    }
-
-
-def train(cfg: Config, resume: bool = False) -> Path:
-    run_dir = Path(cfg.run_dir)
-    checkpoint = load_checkpoint(run_dir) if resume else None
-    if checkpoint is None and resume:
-        raise SystemExit(f"{run_dir} has no checkpoint to resume from")
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
-    if cfg.algo != "msgrpo":
-        attach_value_head(model, (checkpoint or {}).get("value_head"))  # a new critic if none was saved
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    first = 1
-    if checkpoint:
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        rng.bit_generator.state = checkpoint["numpy_rng"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-        first = checkpoint["iteration"] + 1
-        truncate_metrics(run_dir, checkpoint["iteration"])
-        print(f"resuming {run_dir} after iteration {checkpoint['iteration']}")
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("")
-        save_json(run_dir / "config.json", dataclasses.asdict(cfg))
-        record_eval(run_dir, 0, evaluate_policy(model, tokenizer, cfg))
-
-    last_saved = first - 1
-    try:
-        for iteration in tqdm(range(first, cfg.iterations + 1), desc="MS-GRPO iterations",
-                              initial=first - 1, total=cfg.iterations):
-            start = time.time()
-            try:
-                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng)
-            except FloatingPointError as error:
-                raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
-                                 f"{last_saved} is in {run_dir}; try a lower --lr.")
-            except torch.cuda.OutOfMemoryError:
-                raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
-                                 "--group-size / --max-new-tokens (rollouts).")
-            metrics = {"iteration": iteration, **metrics, "seconds": time.time() - start}
-            save_checkpoint(run_dir, model, optimizer, rng, iteration)
-            append_metrics(run_dir, metrics)
-            last_saved = iteration
-            tqdm.write(progress_line(metrics))
-            if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration != cfg.iterations:
-                record_eval(run_dir, iteration, evaluate_policy(model, tokenizer, cfg))
-    except KeyboardInterrupt:
-        print(f"\nInterrupted. Iterations up to {last_saved} are saved in {run_dir}; continue with "
-              f"python msgrpo.py --resume {run_dir}")
-        raise SystemExit(130)
-    evals = load_json(run_dir / "eval.json", [])
-    if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
-        final = evaluate_policy(model, tokenizer, cfg)  # greedy: the policy's best guess
-        final["sampled"] = evaluate_policy(model, tokenizer, cfg, greedy=False)  # as it explores
-        record_eval(run_dir, cfg.iterations, final)
-    plot_curves(run_dir)
-    if evals := load_json(run_dir / "eval.json", []):
-        print(eval_table(evals))
-    return run_dir
-
-
-def progress_line(m: dict) -> str:
-    return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  success {m['success_rate']:.2f}  "
-            f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
-            f"loss {m['loss']:+.3f}  {m['seconds']:.0f}s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1100,7 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     p.add_argument("--algo", choices=ALGOS, help="msgrpo (default), or poad / ntpo: a critic's per-token "
-                                                 "advantages (section 9)")
+                                                 "advantages (section 10)")
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")

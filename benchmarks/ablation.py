@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 
+
 def trained(run_dir: Path, iterations: int) -> bool:
     return (run_dir / "adapter").exists() and len(msgrpo.read_metrics(run_dir)) >= iterations
 
@@ -116,9 +117,10 @@ def main(argv=None):
             rows = [summary(kept, args.setting) for kept in args.out.glob("*-s*") if kept.is_dir()]
             rows = sorted((r for r in rows if r[args.setting] in args.values),
                           key=lambda r: (args.values.index(r[args.setting]), r["seed"]))
+            text = table(rows, args.setting, args.values)
             (args.out / "ablation.json").write_text(json.dumps(rows, indent=2))
-            (args.out / "ablation.md").write_text(table(rows, args.setting, args.values) + "\n")
-            print(table(rows, args.setting, args.values), flush=True)
+            (args.out / "ablation.md").write_text(text + "\n")
+            print(text, flush=True)
 
 
 if __name__ == "__main__":
