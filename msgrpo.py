@@ -726,9 +726,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
         raise SystemExit(130)
     evals = load_json(run_dir / "eval.json", [])
     if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
-        final = evaluate_policy(model, tokenizer, cfg)  # greedy: the policy's best guess
-        final["sampled"] = evaluate_policy(model, tokenizer, cfg, greedy=False)  # as it explores
-        record_eval(run_dir, cfg.iterations, final)
+        record_eval(run_dir, cfg.iterations, evaluate_greedy_and_sampled(model, tokenizer, cfg))
     plot_curves(run_dir)
     if evals := load_json(run_dir / "eval.json", []):
         print(eval_table(evals))
@@ -945,6 +943,17 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
         torch.manual_seed(cfg.seed)
         return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env,
                              envs.heldout_seeds(cfg.eval_episodes), progress=True, **env_options(cfg))
+
+
+def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
+    """Greedy (the policy's best guess), with sampled at cfg.temperature (as it explores) under "sampled".
+
+    sampled_episodes: 0 plays as many as greedy, cfg.eval_episodes.
+    """
+    result = evaluate_policy(model, tokenizer, cfg)
+    sampled_cfg = dataclasses.replace(cfg, eval_episodes=sampled_episodes or cfg.eval_episodes)
+    result["sampled"] = evaluate_policy(model, tokenizer, sampled_cfg, greedy=False)
+    return result
 
 
 # ---------------------------------------------------------------------------------------------

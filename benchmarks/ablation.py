@@ -41,9 +41,8 @@ def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
 def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> dict:
     cfg = msgrpo.Config(**msgrpo.load_json(run_dir / "config.json"))
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run_dir / "adapter")
-    result = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=greedy_episodes))
-    result["sampled"] = msgrpo.evaluate_policy(model, tokenizer, dataclasses.replace(cfg, eval_episodes=sampled_episodes),
-                                               greedy=False)
+    result = msgrpo.evaluate_greedy_and_sampled(model, tokenizer, dataclasses.replace(cfg, eval_episodes=greedy_episodes),
+                                                sampled_episodes)
     msgrpo.record_eval(run_dir, cfg.iterations, result)
     return result
 

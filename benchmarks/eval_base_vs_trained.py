@@ -30,9 +30,8 @@ def main(argv=None):
     iteration = msgrpo.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration
     for adapter_on, at in [(True, iteration), (False, 0)]:
         with contextlib.nullcontext() if adapter_on else model.disable_adapter():
-            result = msgrpo.evaluate_policy(model, tokenizer, cfg)
-            if args.sampled:
-                result["sampled"] = msgrpo.evaluate_policy(model, tokenizer, cfg, greedy=False)
+            evaluate = msgrpo.evaluate_greedy_and_sampled if args.sampled else msgrpo.evaluate_policy
+            result = evaluate(model, tokenizer, cfg)
         msgrpo.record_eval(args.run_dir, at, result)
     msgrpo.plot_curves(args.run_dir)
     evals = msgrpo.load_json(args.run_dir / "eval.json")

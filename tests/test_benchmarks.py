@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: the ablation table, the fixed-route reference."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -36,3 +37,21 @@ def test_a_fixed_route_wins_the_maps_where_it_is_hole_free():
     # DDDRRR: (1, 0) is a hole in `clear`; the hole of `blocked` is off its route.
     assert fixed_routes.clear_fraction("DDDRRR", [clear, blocked]) == 0.5
     assert fixed_routes.clear_fraction("DDDRRR", [clear]) == 0.0
+
+
+def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
+    args = ["algo", "msgrpo", "--seeds", "0", "--model", "tiny", "--iterations", "1", "--greedy-episodes", "2",
+            "--sampled-episodes", "3", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    ablation.main(args)
+    kept = tmp_path / "out" / "msgrpo-s0"
+    evals = json.loads((kept / "eval.json").read_text())
+    assert evals[-1]["iteration"] == 1 and evals[-1]["episodes"] == 2 and evals[-1]["sampled"]["episodes"] == 3
+    assert len((kept / "metrics.jsonl").read_text().splitlines()) == 1
+    assert "| msgrpo | 0 |" in (tmp_path / "out" / "ablation.md").read_text()
+    rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
+    assert [(r["algo"], r["seed"], r["iterations"]) for r in rows] == [("msgrpo", 0, 1)]
+
+    run_files = sorted((tmp_path / "runs" / "msgrpo-s0").rglob("*"))
+    before = {p: p.stat().st_mtime_ns for p in run_files if p.is_file()}
+    ablation.main(args)  # trained and evaluated already: nothing is redone
+    assert {p: p.stat().st_mtime_ns for p in run_files if p.is_file()} == before
