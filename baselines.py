@@ -494,9 +494,8 @@ DEFAULT_ADAPTER = ("smollm2+msgrpo", "results/frozen_lake_cpu/adapter")
 
 def score_of(result):
     """(score, 95% interval): success rate for Frozen Lake, mean return for Snake."""
-    if result["env"] == "frozen_lake":
-        return result["success_rate"], result["success_ci95"]
-    return result["mean_return"], result["return_ci95"]
+    score, interval = envs.score_keys(result["env"])
+    return result[score], result[interval]
 
 
 def optimum(env_name, options, seeds):

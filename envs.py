@@ -588,6 +588,11 @@ def play_batch(agent, env_name, seeds, env_options, bar):
     return episodes
 
 
+def score_keys(env_name):
+    """What a game is judged by, as (metric, its 95% interval): Frozen Lake's success, Snake's return."""
+    return ("success_rate", "success_ci95") if env_name == "frozen_lake" else ("mean_return", "return_ci95")
+
+
 def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_options):
     """Play `agent` on one episode per seed; return plain-Python metrics (JSON-ready).
 

@@ -1016,13 +1016,17 @@ def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     save_json(run_dir / "eval.json", sorted(evals + [{"iteration": iteration, **result}], key=lambda e: e["iteration"]))
 
 
+EVAL_SCORES = {"success_rate": ("success", "success_ci95"), "mean_return": ("mean return", "return_ci95"),
+               "mean_apples": ("apples", "apples_ci95")}  # the apples only in Snake's evaluations
+
+
 def eval_table(evals: list[dict]) -> str:
-    lines = ["| iteration | episodes | success (95% CI) | mean return | invalid rate |",
-             "| ---: | ---: | --- | ---: | ---: |"]
+    scores = [key for key in EVAL_SCORES if any(key in e for e in evals)]
+    lines = ["| iteration | episodes | " + " | ".join(f"{EVAL_SCORES[k][0]} (95% CI)" for k in scores)
+             + " | invalid rate |", "| ---: | ---: |" + " --- |" * len(scores) + " ---: |"]
     for e in evals:
-        lo, hi = e["success_ci95"]
-        lines.append(f"| {e['iteration']} | {e['episodes']} | {e['success_rate']:.3f} ({lo:.3f}-{hi:.3f}) "
-                     f"| {e['mean_return']:+.3f} | {e['invalid_rate']:.3f} |")
+        cells = [f"{e[k]:.3f} ({e[EVAL_SCORES[k][1]][0]:.3f} to {e[EVAL_SCORES[k][1]][1]:.3f})" for k in scores]
+        lines.append(f"| {e['iteration']} | {e['episodes']} | " + " | ".join(cells) + f" | {e['invalid_rate']:.3f} |")
     return "\n".join(lines)
 
 
@@ -1036,19 +1040,22 @@ def plot_curves(run_dir: Path) -> None:
     from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
 
     metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
-    groups = load_json(run_dir / "config.json", {}).get("groups", 1)
+    config = load_json(run_dir / "config.json", {})
     if not metrics:
         return
+    score, interval = envs.score_keys(config.get("env", "frozen_lake"))  # Snake's success is always 0
     x = [m["iteration"] for m in metrics]
     fig = Figure(figsize=(15, 4))
     axes = fig.subplots(1, 3)
-    axes[0].plot(x, [m["success_rate"] for m in metrics], label="training episodes")
+    axes[0].plot(x, [m[score] for m in metrics], label="training episodes")
     for points, label in [(evals, "held-out, greedy (95% CI)"), (sampled_evals(evals), "held-out, sampled (95% CI)")]:
         if points:
-            rates = [e["success_rate"] for e in points]
-            axes[0].errorbar([e["iteration"] for e in points], rates, fmt="o-", capsize=3, label=label,
-                             yerr=np.abs(np.array([e["success_ci95"] for e in points]).T - rates))
-    axes[0].set(title="success rate", xlabel="iteration", ylim=(-0.02, 1.02))
+            values = [e[score] for e in points]
+            axes[0].errorbar([e["iteration"] for e in points], values, fmt="o-", capsize=3, label=label,
+                             yerr=np.abs(np.array([e[interval] for e in points]).T - values))
+    axes[0].set(title=score.replace("_", " "), xlabel="iteration")
+    if score == "success_rate":
+        axes[0].set_ylim(-0.02, 1.02)
     axes[0].legend()
     axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
     axes[1].plot(x, [m["invalid_rate"] for m in metrics], label="invalid-action rate")
@@ -1056,7 +1063,7 @@ def plot_curves(run_dir: Path) -> None:
     axes[1].legend()
     axes[2].plot(x, [m["distinct_responses"] for m in metrics], label="distinct responses")
     axes[2].plot(x, [m["entropy"] for m in metrics], label="entropy per token (nats)")
-    axes[2].plot(x, [m["zero_variance_groups"] / groups for m in metrics],
+    axes[2].plot(x, [m["zero_variance_groups"] / config.get("groups", 1) for m in metrics],
                  label="zero-variance groups (fraction)")
     axes[2].set(title="collapse and signal", xlabel="iteration")
     axes[2].legend()

@@ -384,3 +384,16 @@ def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     stats = msgrpo.update_policy(model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
     assert stats["kl"] > 0 and math.isfinite(stats["loss"])
+
+
+def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
+    frozen_lake = {"iteration": 12, "episodes": 4, "success_rate": 0.25, "success_ci95": [0.046, 0.699],
+                   "mean_return": 0.25, "return_ci95": [-0.2, 0.7], "invalid_rate": 0.5}
+    text = msgrpo.eval_table([frozen_lake])
+    assert "apples" not in text
+    assert text.splitlines()[-1] == "| 12 | 4 | 0.250 (0.046 to 0.699) | 0.250 (-0.200 to 0.700) | 0.500 |"
+    snake = {**frozen_lake, "success_rate": 0.0, "success_ci95": [0.0, 0.49], "mean_apples": 1.5,
+             "apples_ci95": [1.0, 2.0]}
+    text = msgrpo.eval_table([snake])
+    assert "| apples (95% CI) |" in text.splitlines()[0]
+    assert text.splitlines()[-1].endswith("| 1.500 (1.000 to 2.000) | 0.500 |")
