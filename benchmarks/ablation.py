@@ -4,11 +4,11 @@
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
 
 Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` into
-runs/ablation/<value>-s<seed> (equal iterations, so equal environment steps), then plays the
-trained adapter on held-out maps, greedy and sampled at the training temperature. A run already
-trained is only evaluated again; an interrupted one resumes. Writes <out>/ablation.md (the table)
-and <out>/ablation.json, and copies each run's config.json, metrics.jsonl and eval.json (not the
-adapter) to <out>/<value>-s<seed>/.
+runs/ablation/<value>-s<seed> (equal iterations, so equal episodes; the table counts their
+steps), then plays the trained adapter on held-out maps, greedy and sampled at the training
+temperature. A run already trained is only evaluated again; an interrupted one resumes. Writes
+<out>/ablation.md (the table) and <out>/ablation.json, and copies each run's config.json,
+metrics.jsonl and eval.json (not the adapter) to <out>/<value>-s<seed>/.
 """
 
 import argparse
@@ -41,8 +41,8 @@ def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
 def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> dict:
     cfg = msgrpo.Config(**msgrpo.load_json(run_dir / "config.json"))
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run_dir / "adapter")
-    result = msgrpo.evaluate_greedy_and_sampled(model, tokenizer, dataclasses.replace(cfg, eval_episodes=greedy_episodes),
-                                                sampled_episodes)
+    greedy_cfg = dataclasses.replace(cfg, eval_episodes=greedy_episodes)
+    result = msgrpo.evaluate_greedy_and_sampled(model, tokenizer, greedy_cfg, sampled_episodes)
     msgrpo.record_eval(run_dir, cfg.iterations, result)
     return result
 
@@ -53,6 +53,7 @@ def summary(run_dir: Path, setting: str) -> dict:
     final = msgrpo.load_json(run_dir / "eval.json")[-1]
     return {setting: cfg[setting], "seed": cfg["seed"], "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
+            "env_steps": round(sum(m["mean_steps"] for m in metrics) * cfg["groups"] * cfg["group_size"]),
             "tokens_trained": sum(m["tokens_trained"] for m in metrics),
             # Shows the machine's speed: wall times from different days compare only through it.
             "train_tokens_per_second": float(np.mean([m["train_tokens_per_second"] for m in metrics])),
@@ -74,17 +75,19 @@ def table(rows: list[dict], setting: str, values: list[str]) -> str:
         return f"{r[kind]['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]"
 
     lines = [f"| {setting} | seed | held-out success, sampled T=1 | greedy | invalid (sampled) "
-             "| training minutes | training tokens | update tokens/s |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+             "| training minutes | environment steps | training tokens | update tokens/s |",
+             "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r[setting]} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
-                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['tokens_trained']:,} "
-                     f"| {r['train_tokens_per_second']:.0f} |")
+                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['env_steps']:,} "
+                     f"| {r['tokens_trained']:,} | {r['train_tokens_per_second']:.0f} |")
     for value in values:
         mine = [r for r in rows if r[setting] == value]
         if len(mine) > 1:
             lines.append(f"| **{value}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
                          f"| {pooled(mine, 'greedy')} | {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
                          f"| {np.mean([r['train_minutes'] for r in mine]):.1f} "
+                         f"| {np.mean([r['env_steps'] for r in mine]):,.0f} "
                          f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} "
                          f"| {np.mean([r['train_tokens_per_second'] for r in mine]):.0f} |")
     return "\n".join(lines)

@@ -7,13 +7,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ablation  # noqa: E402
 import fixed_routes  # noqa: E402
+import msgrpo  # noqa: E402
 import envs  # noqa: E402
 
 
 def run_row(sampling, seed, wins, episodes, minutes, tokens):
     result = {"episodes": episodes, "success_rate": wins / episodes,
               "success_ci95": list(envs.wilson_interval(wins, episodes)), "invalid_rate": 0.0}
-    return {"sampling": sampling, "seed": seed, "iterations": 12, "train_minutes": minutes,
+    return {"sampling": sampling, "seed": seed, "iterations": 12, "train_minutes": minutes, "env_steps": tokens // 10,
             "tokens_trained": tokens, "train_tokens_per_second": tokens / minutes / 60,
             "greedy": result, "sampled": result}
 
@@ -24,7 +25,7 @@ def test_seeds_pool_their_episodes():
     text = ablation.table(rows, "sampling", ["aaw", "uniform", "all"])
     lo, hi = envs.wilson_interval(40, 150)
     assert f"| **aaw, seeds pooled** | 2 | {40 / 150:.3f} [{lo:.3f}, {hi:.3f}]" in text  # not (0.3 + 0.2) / 2
-    assert "| 15.0 | 2,000 | 2 |" in text  # means over the seeds: minutes, tokens, tokens/s (1.7 and 2.5)
+    assert "| 15.0 | 200 | 2,000 | 2 |" in text  # means over the seeds: minutes, steps, tokens, tokens/s (1.7, 2.5)
     assert "all, seeds pooled" not in text and "uniform" not in text  # one seed: no pooled row; none: no row
     assert text.count("\n") == 2 + 3 + 1 - 1
 
@@ -50,6 +51,8 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     assert "| msgrpo | 0 |" in (tmp_path / "out" / "ablation.md").read_text()
     rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
     assert [(r["algo"], r["seed"], r["iterations"]) for r in rows] == [("msgrpo", 0, 1)]
+    metrics = msgrpo.read_metrics(kept)
+    assert rows[0]["env_steps"] == round(metrics[0]["mean_steps"] * 16)  # the defaults' 2 groups x 8 episodes
 
     run_files = sorted((tmp_path / "runs" / "msgrpo-s0").rglob("*"))
     before = {p: p.stat().st_mtime_ns for p in run_files if p.is_file()}
