@@ -2,6 +2,7 @@
 
     python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 --out results/ablation_sampling
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
+    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --think --out results/algo_comparison_think
 
 Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` into
 runs/ablation/<value>-s<seed> (equal iterations, so equal episodes; the table counts their
@@ -30,9 +31,9 @@ def trained(run_dir: Path, iterations: int) -> bool:
 
 
 def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
-    run_dir = runs / f"{value}-s{seed}"
+    run_dir = runs / f"{value}{'-think' if args.think else ''}-s{seed}"
     cfg = msgrpo.resolve_defaults(msgrpo.Config(**{setting: value}, seed=seed, eval_episodes=0, model=args.model,
-                                                iterations=args.iterations, run_dir=str(run_dir)))
+                                                iterations=args.iterations, think=args.think, run_dir=str(run_dir)))
     if not trained(run_dir, cfg.iterations):
         msgrpo.train(cfg, resume=(run_dir / "checkpoint.pt").exists())
     return run_dir
@@ -51,7 +52,7 @@ def summary(run_dir: Path, setting: str) -> dict:
     cfg = dataclasses.asdict(msgrpo.Config(**msgrpo.load_json(run_dir / "config.json")))
     metrics = msgrpo.read_metrics(run_dir)
     final = msgrpo.load_json(run_dir / "eval.json")[-1]
-    return {setting: cfg[setting], "seed": cfg["seed"], "iterations": len(metrics),
+    return {setting: cfg[setting], "seed": cfg["seed"], "think": cfg["think"], "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
             "env_steps": round(sum(m["mean_steps"] for m in metrics) * cfg["groups"] * cfg["group_size"]),
             "tokens_trained": sum(m["tokens_trained"] for m in metrics),
@@ -102,6 +103,8 @@ def main(argv=None):
     parser.add_argument("--model", default="", help="msgrpo's default, or tiny for a quick check")
     parser.add_argument("--greedy-episodes", type=int, default=100)
     parser.add_argument("--sampled-episodes", type=int, default=200)
+    parser.add_argument("--think", action="store_true",
+                        help="train with --think (replies of up to 256 tokens); runs are named <value>-think-s<seed>")
     parser.add_argument("--runs", type=Path, default=Path("runs/ablation"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -117,7 +120,7 @@ def main(argv=None):
                 shutil.copy(run_dir / name, keep / name)
             # The table holds every run kept in --out, so seeds run on different days add up.
             rows = [summary(kept, args.setting) for kept in args.out.glob("*-s*") if kept.is_dir()]
-            rows = sorted((r for r in rows if r[args.setting] in args.values),
+            rows = sorted((r for r in rows if r[args.setting] in args.values and r["think"] == args.think),
                           key=lambda r: (args.values.index(r[args.setting]), r["seed"]))
             text = table(rows, args.setting, args.values)
             (args.out / "ablation.json").write_text(json.dumps(rows, indent=2))
