@@ -1021,12 +1021,16 @@ EVAL_SCORES = {"success_rate": ("success", "success_ci95"), "mean_return": ("mea
 
 
 def eval_table(evals: list[dict]) -> str:
+    def with_interval(e, key):
+        lo, hi = e[EVAL_SCORES[key][1]]
+        return f"{e[key]:.3f} ({lo:.3f} to {hi:.3f})"
+
     scores = [key for key in EVAL_SCORES if any(key in e for e in evals)]
     lines = ["| iteration | episodes | " + " | ".join(f"{EVAL_SCORES[k][0]} (95% CI)" for k in scores)
              + " | invalid rate |", "| ---: | ---: |" + " --- |" * len(scores) + " ---: |"]
     for e in evals:
-        cells = [f"{e[k]:.3f} ({e[EVAL_SCORES[k][1]][0]:.3f} to {e[EVAL_SCORES[k][1]][1]:.3f})" for k in scores]
-        lines.append(f"| {e['iteration']} | {e['episodes']} | " + " | ".join(cells) + f" | {e['invalid_rate']:.3f} |")
+        cells = " | ".join(with_interval(e, key) for key in scores)
+        lines.append(f"| {e['iteration']} | {e['episodes']} | {cells} | {e['invalid_rate']:.3f} |")
     return "\n".join(lines)
 
 
