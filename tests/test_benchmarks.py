@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic: the ablation table, the fixed-route reference."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -58,3 +59,13 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     before = {p: p.stat().st_mtime_ns for p in run_files if p.is_file()}
     ablation.main(args)  # trained and evaluated already: nothing is redone
     assert {p: p.stat().st_mtime_ns for p in run_files if p.is_file()} == before
+
+
+def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch):
+    trained_configs = []
+    monkeypatch.setattr(ablation.msgrpo, "train", lambda cfg, resume: trained_configs.append(cfg))
+    args = argparse.Namespace(model="tiny", iterations=1, think=True)
+    run_dir = ablation.train_run("algo", "poad", 3, tmp_path, args)
+    assert run_dir == tmp_path / "poad-think-s3"
+    [cfg] = trained_configs
+    assert (cfg.algo, cfg.seed, cfg.think, cfg.max_new_tokens, cfg.run_dir) == ("poad", 3, True, 256, str(run_dir))
