@@ -1,4 +1,4 @@
-"""The benchmark scripts' own logic: the ablation table, the fixed-route reference."""
+"""The benchmark scripts: the ablation's runs, evaluations and table; the fixed-route reference."""
 
 import argparse
 import json
