@@ -15,8 +15,8 @@ import envs  # noqa: E402
 def run_row(sampling, seed, wins, episodes, minutes, tokens):
     result = {"episodes": episodes, "success_rate": wins / episodes,
               "success_ci95": list(envs.wilson_interval(wins, episodes)), "invalid_rate": 0.0}
-    return {"sampling": sampling, "seed": seed, "think": False, "iterations": 12, "train_minutes": minutes, "env_steps": tokens // 10,
-            "tokens_trained": tokens, "train_tokens_per_second": tokens / minutes / 60,
+    return {"sampling": sampling, "seed": seed, "think": False, "iterations": 12, "train_minutes": minutes,
+            "env_steps": tokens // 10, "tokens_trained": tokens, "train_tokens_per_second": tokens / minutes / 60,
             "greedy": result, "sampled": result}
 
 
