@@ -571,7 +571,7 @@ def run_comparison(args):
     for column, (env_name, options) in games.items():
         value, source = optimum(env_name, options, seeds)
         report["games"][column] = {"env": env_name, "options": envs.make(env_name, **options).options,
-                                   "score": "success rate" if env_name == "frozen_lake" else "mean return",
+                                   "score": envs.score_keys(env_name)[0].replace("_", " "),
                                    "optimum": value, "optimum_source": source}
     for name, factory, reason in compare_agents(args):
         if wanted is not None and not any(name == w or name.startswith(w + " ") for w in wanted):

@@ -588,9 +588,14 @@ def play_batch(agent, env_name, seeds, env_options, bar):
     return episodes
 
 
+# The averages `evaluate` reports, each with the key of its 95% interval (apples: Snake only).
+INTERVAL_OF = {"success_rate": "success_ci95", "mean_return": "return_ci95", "mean_apples": "apples_ci95"}
+
+
 def score_keys(env_name):
     """What a game is judged by, as (metric, its 95% interval): Frozen Lake's success, Snake's return."""
-    return ("success_rate", "success_ci95") if env_name == "frozen_lake" else ("mean_return", "return_ci95")
+    score = "success_rate" if env_name == "frozen_lake" else "mean_return"
+    return score, INTERVAL_OF[score]
 
 
 def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_options):

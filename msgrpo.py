@@ -1016,17 +1016,16 @@ def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     save_json(run_dir / "eval.json", sorted(evals + [{"iteration": iteration, **result}], key=lambda e: e["iteration"]))
 
 
-EVAL_SCORES = {"success_rate": ("success", "success_ci95"), "mean_return": ("mean return", "return_ci95"),
-               "mean_apples": ("apples", "apples_ci95")}  # the apples only in Snake's evaluations
+EVAL_COLUMNS = {"success_rate": "success", "mean_return": "mean return", "mean_apples": "apples"}
 
 
 def eval_table(evals: list[dict]) -> str:
     def with_interval(e, key):
-        lo, hi = e[EVAL_SCORES[key][1]]
+        lo, hi = e[envs.INTERVAL_OF[key]]
         return f"{e[key]:.3f} ({lo:.3f} to {hi:.3f})"
 
-    scores = [key for key in EVAL_SCORES if any(key in e for e in evals)]
-    lines = ["| iteration | episodes | " + " | ".join(f"{EVAL_SCORES[k][0]} (95% CI)" for k in scores)
+    scores = [key for key in EVAL_COLUMNS if any(key in e for e in evals)]  # apples: Snake only
+    lines = ["| iteration | episodes | " + " | ".join(f"{EVAL_COLUMNS[k]} (95% CI)" for k in scores)
              + " | invalid rate |", "| ---: | ---: |" + " --- |" * len(scores) + " ---: |"]
     for e in evals:
         cells = " | ".join(with_interval(e, key) for key in scores)
