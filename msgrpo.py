@@ -702,7 +702,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
     last_saved = first - 1
     try:
-        for iteration in tqdm(range(first, cfg.iterations + 1), desc="MS-GRPO iterations",
+        for iteration in tqdm(range(first, cfg.iterations + 1), desc=f"{cfg.algo} iterations",
                               initial=first - 1, total=cfg.iterations):
             start = time.time()
             try:
