@@ -74,7 +74,9 @@ class Config:
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
     minibatch: int = 32  # steps per optimizer step; 0 = all sampled steps in one step
-    micro_batch: int = 16  # steps per forward/backward; lower it if memory runs out
+    # Steps per forward/backward; lower it if memory runs out. 0 = 16, or 4 with thinking: sixteen
+    # ~420-token thinking steps needed over 24 GB on the CPU and were killed (results/NOTES.md).
+    micro_batch: int = 0
     lr: float = 3e-4
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
@@ -101,6 +103,8 @@ def resolve_defaults(cfg: Config) -> Config:
         changes["iterations"] = 100 if torch.cuda.is_available() else 12
     if not cfg.max_new_tokens:
         changes["max_new_tokens"] = 256 if cfg.think else 6
+    if not cfg.micro_batch:
+        changes["micro_batch"] = 4 if cfg.think else 16
     if not cfg.run_dir:
         changes["run_dir"] = f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.sampling not in ("aaw", "uniform", "all"):
@@ -1109,7 +1113,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("invalid-penalty", float, "reward added for an unparseable or illegal response"),
         ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on"),
         ("epochs", int, "passes over the sampled steps"), ("minibatch", int, "steps per optimizer step (0: all)"),
-        ("micro-batch", int, "steps per forward/backward: lower it if memory runs out"),
+        ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out"),
         ("lr", float, "AdamW learning rate"), ("grad-clip", float, "max gradient norm"),
         ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
         ("gamma", float, "poad/ntpo: discount"), ("gae-lambda", float, "poad/ntpo: GAE lambda"),

@@ -182,7 +182,15 @@ def test_prompt_ends_with_the_prefill_and_holds_the_observation(tiny):
     assert "You are at (row 0, col 1)." in text and text.endswith("<action>")
     think_cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, run_dir="x"))
     assert not tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "obs", think_cfg)).endswith("<action>")
-    assert think_cfg.max_new_tokens == 256 and cfg.max_new_tokens == 6
+
+
+def test_thinking_gets_longer_replies_and_smaller_micro_batches():
+    plain, think = (msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=t, run_dir="x")) for t in (False, True))
+    assert (plain.max_new_tokens, plain.micro_batch) == (6, 16)
+    assert (think.max_new_tokens, think.micro_batch) == (256, 4)
+    chosen = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, micro_batch=2, max_new_tokens=64,
+                                                   run_dir="x"))
+    assert (chosen.max_new_tokens, chosen.micro_batch) == (64, 2)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
