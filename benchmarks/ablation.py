@@ -94,6 +94,19 @@ def table(rows: list[dict], setting: str, values: list[str]) -> str:
     return "\n".join(lines)
 
 
+def write_table(out: Path, setting: str, values: list[str], think: bool) -> str:
+    """The table of every run kept in out, so seeds and values run on different days add up; the
+    values named on this command line come first."""
+    rows = [summary(kept, setting) for kept in out.glob("*-s*") if kept.is_dir()]
+    rows = [r for r in rows if r["think"] == think]
+    order = values + sorted({r[setting] for r in rows} - set(values))
+    rows.sort(key=lambda r: (order.index(r[setting]), r["seed"]))
+    text = table(rows, setting, order)
+    (out / "ablation.json").write_text(json.dumps(rows, indent=2))
+    (out / "ablation.md").write_text(text + "\n")
+    return text
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("setting", choices=["sampling", "algo"], help="the Config field to vary")
@@ -118,14 +131,7 @@ def main(argv=None):
             keep.mkdir(parents=True, exist_ok=True)
             for name in ("config.json", "metrics.jsonl", "eval.json"):
                 shutil.copy(run_dir / name, keep / name)
-            # The table holds every run kept in --out, so seeds run on different days add up.
-            rows = [summary(kept, args.setting) for kept in args.out.glob("*-s*") if kept.is_dir()]
-            rows = sorted((r for r in rows if r[args.setting] in args.values and r["think"] == args.think),
-                          key=lambda r: (args.values.index(r[args.setting]), r["seed"]))
-            text = table(rows, args.setting, args.values)
-            (args.out / "ablation.json").write_text(json.dumps(rows, indent=2))
-            (args.out / "ablation.md").write_text(text + "\n")
-            print(text, flush=True)
+            print(write_table(args.out, args.setting, args.values, args.think), flush=True)
 
 
 if __name__ == "__main__":

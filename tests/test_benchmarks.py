@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -59,6 +60,15 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     before = {p: p.stat().st_mtime_ns for p in run_files if p.is_file()}
     ablation.main(args)  # trained and evaluated already: nothing is redone
     assert {p: p.stat().st_mtime_ns for p in run_files if p.is_file()} == before
+
+    # A run of another value kept from an earlier command stays in the table, after the values named now.
+    other = tmp_path / "out" / "poad-s0"
+    shutil.copytree(kept, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "algo": "poad"}))
+    ablation.write_table(tmp_path / "out", "algo", ["msgrpo"], think=False)
+    rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
+    assert [(r["algo"], r["seed"]) for r in rows] == [("msgrpo", 0), ("poad", 0)]
 
 
 def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch):
