@@ -42,6 +42,18 @@ def test_a_fixed_route_wins_the_maps_where_it_is_hole_free():
     assert fixed_routes.clear_fraction("DDDRRR", [clear]) == 0.0
 
 
+def test_the_neighbour_rule_steps_around_holes_a_fixed_route_falls_into():
+    detour = ["SFFF", "FFFF", "HFFF", "FFFG"]  # down, then the hole below: right, then down again
+    assert fixed_routes.clear_fraction("DDDRRR", [detour]) == 0.0
+    assert fixed_routes.neighbour_rule_wins(detour, "down", "right")
+    trapped = ["SFFF", "HFFF", "FFFF", "FFFG"]  # right along the top, then down the edge
+    assert fixed_routes.neighbour_rule_wins(trapped, "down", "right")
+    cornered = ["SH", "HG"]  # both moves are holes: it takes the second, right, into the hole
+    assert not fixed_routes.neighbour_rule_wins(cornered, "down", "right")
+    stuck = ["SFH", "FHF", "HFG"]  # right to (0, 1), where right and down are both holes
+    assert not fixed_routes.neighbour_rule_wins(stuck, "right", "down")
+
+
 def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     args = ["algo", "msgrpo", "--seeds", "0", "--model", "tiny", "--iterations", "1", "--greedy-episodes", "2",
             "--sampled-episodes", "3", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
