@@ -11,6 +11,8 @@ policy's success, with no sampling noise. Approximations: the step counter in th
 at its start value, and a reply whose first token names a move is taken to be that move.
 
 Prints one row per format instruction: valid-reply mass, P(success | sampling), greedy success.
+With --adapter it also prints how the policy's P(down) and P(right) depend on what that move walks
+onto (the observation's "Next to you" line): a policy that reads it avoids holes.
 """
 
 import argparse
@@ -84,6 +86,16 @@ def one_hot(move):
     return np.eye(4)[move] if move is not None else np.zeros(4)
 
 
+def by_neighbour(probabilities, move):
+    """Mean P(move) over the probed cells, grouped by what the move walks onto: ice, hole, goal or edge."""
+    groups = {}
+    for (map_rows, cell), (p, _) in probabilities.items():
+        row, col = envs.frozen_lake_slide(map_rows, cell, move)
+        onto = "edge" if (row, col) == cell else envs.TILE_NAMES[map_rows[row][col]]
+        groups.setdefault(onto, []).append(p[move])
+    return {onto: (float(np.mean(values)), len(values)) for onto, values in groups.items()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--maps", type=int, default=16, help="random 4x4 maps (seeds 700, 701, ...)")
@@ -105,6 +117,12 @@ def main(argv=None):
         greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]), max_steps)
                           for m in maps])
         print(f"| {name} | {valid:.2f} | {sampled:.3f} | {greedy:.3f} |")
+    if args.adapter:
+        print("\n| move | P(move) where it walks onto: ice | hole | goal | edge |\n| --- | ---: | ---: | ---: | ---: |")
+        for move in ("down", "right"):
+            means = by_neighbour(probs, envs.FROZEN_LAKE_ACTIONS.index(move))
+            print(f"| {move} | " + " | ".join(f"{means[onto][0]:.2f} (n={means[onto][1]})" if onto in means else "-"
+                                              for onto in ("ice", "hole", "goal", "edge")) + " |")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ablation  # noqa: E402
 import fixed_routes  # noqa: E402
+import prompt_probe  # noqa: E402
 import msgrpo  # noqa: E402
 import envs  # noqa: E402
 
@@ -52,6 +55,15 @@ def test_the_neighbour_rule_steps_around_holes_a_fixed_route_falls_into():
     assert not fixed_routes.neighbour_rule_wins(cornered, "down", "right")
     stuck = ["SFH", "FHF", "HFG"]  # right to (0, 1), where right and down are both holes
     assert not fixed_routes.neighbour_rule_wins(stuck, "right", "down")
+
+
+def test_the_probe_groups_a_moves_probability_by_what_it_walks_onto():
+    map_rows = ("SF", "HG")
+    down, right = envs.FROZEN_LAKE_ACTIONS.index("down"), envs.FROZEN_LAKE_ACTIONS.index("right")
+    probabilities = {(map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.0]), None),  # down: hole, right: ice
+                     (map_rows, (0, 1)): (np.array([0.0, 0.6, 0.2, 0.1]), None)}  # down: goal, right: edge
+    assert prompt_probe.by_neighbour(probabilities, down) == {"hole": (0.2, 1), "goal": (0.6, 1)}
+    assert prompt_probe.by_neighbour(probabilities, right) == {"ice": (0.3, 1), "edge": (0.2, 1)}
 
 
 def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
