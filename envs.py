@@ -266,13 +266,14 @@ def offset_text(d_row, d_col):
 class FrozenLake(TextGame):
     name = "frozen_lake"
     actions = FROZEN_LAKE_ACTIONS
-    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1)
+    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0)
 
     def __init__(self, **options):
         super().__init__(**options)
         self.size = positive_int("size", self.options["size"], minimum=2)  # ignored for a given map
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = bool(self.options["slippery"])
+        self.hole_penalty = float(self.options["hole_penalty"])  # Gymnasium's 0 unless set
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
@@ -292,7 +293,7 @@ class FrozenLake(TextGame):
         pick = self.rng.choice(len(outcomes), p=[prob for prob, _ in outcomes]) if len(outcomes) > 1 else 0
         self.position = outcomes[pick][1]
         tile = self.map[self.position[0]][self.position[1]]
-        return (1.0 if tile == "G" else 0.0), tile in "HG"
+        return {"G": 1.0, "H": self.hole_penalty}.get(tile, 0.0), tile in "HG"
 
     def state_text(self):
         """The goal's offset, what lies next to you, then the grid.

@@ -188,6 +188,14 @@ def test_frozen_lake_observation_text():
     assert envs.offset_text(-2, 0) == "2 up" and envs.offset_text(0, 0) == "here"
 
 
+def test_a_hole_costs_hole_penalty_and_nothing_by_default():
+    for options, expected in (({}, 0.0), ({"hole_penalty": -1}, -1.0)):
+        env = envs.make("frozen_lake", map="classic", **options)  # SFFF / FHFH: down, then right is a hole
+        env.reset(seed=0)
+        env.step(env.actions.index("down"))
+        _, reward, terminated, _, info = env.step(env.actions.index("right"))
+        assert (reward, terminated, info["position"]) == (expected, True, (1, 1))
+
 
 def test_frozen_lake_invalid_action_stays_put_with_penalty():
     env = envs.make("frozen_lake", map="classic", invalid_penalty=-0.5)
