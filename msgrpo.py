@@ -1101,7 +1101,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = Config()
     p.add_argument("--env", choices=envs.ENV_NAMES, help=f"game (default {d.env})")
     p.add_argument("--env-opt", dest="env_options", action="append", type=parse_env_option, metavar="KEY=VALUE",
-                   help="game option, repeatable: size=4, slippery=true, max_steps=16, opponent=true ...")
+                   help="game option, repeatable: size=4, slippery=true, max_steps=16, hole_penalty=-1, "
+                        "opponent=true ...")
     p.add_argument("--model", help=f"smollm2-135m, tiny, a hub id or a local path (default: {GPU_MODEL} "
                                    f"on CUDA, {CPU_MODEL} on the CPU)")
     p.add_argument("--no-quantize", dest="quantize", action="store_false", help="keep the base in bf16/fp32")

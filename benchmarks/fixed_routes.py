@@ -56,7 +56,8 @@ def main(argv=None):
     print(f"| route (D down, R right) | hole-free on the first {args.maps} held-out maps |\n| --- | ---: |")
     for route in sorted(routes, key=lambda r: -clear_fraction(r, maps)):
         print(f"| {route} | {clear_fraction(route, maps):.3f} |")
-    print(f"\n| rule read from the neighbour line | wins on the first {args.maps} held-out maps, greedy |\n| --- | ---: |")
+    print(f"\n| rule read from the neighbour line | wins on the first {args.maps} held-out maps, greedy |")
+    print("| --- | ---: |")
     for first, second in (("down", "right"), ("right", "down")):
         wins = sum(neighbour_rule_wins(m, first, second) for m in maps)
         print(f"| {first} unless hole or edge, else {second} | {wins / len(maps):.3f} |")
