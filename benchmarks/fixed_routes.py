@@ -39,7 +39,7 @@ def neighbour_rule_wins(map_rows, first, second, max_steps=16) -> bool:
     position = envs.cells_with(map_rows, "S")[0]
     for _ in range(max_steps):
         ahead = envs.frozen_lake_slide(map_rows, position, first)
-        blocked = ahead == tuple(position) or map_rows[ahead[0]][ahead[1]] == "H"
+        blocked = ahead == position or map_rows[ahead[0]][ahead[1]] == "H"
         position = envs.frozen_lake_slide(map_rows, position, second if blocked else first)
         tile = map_rows[position[0]][position[1]]
         if tile in "HG":

@@ -49,7 +49,7 @@ def test_the_neighbour_rule_steps_around_holes_a_fixed_route_falls_into():
     detour = ["SFFF", "FFFF", "HFFF", "FFFG"]  # down, then the hole below: right, then down again
     assert fixed_routes.clear_fraction("DDDRRR", [detour]) == 0.0
     assert fixed_routes.neighbour_rule_wins(detour, "down", "right")
-    trapped = ["SFFF", "HFFF", "FFFF", "FFFG"]  # right along the top, then down the edge
+    trapped = ["SFFF", "HFFF", "FFFF", "FFFG"]  # a hole below the start: one step right, then down
     assert fixed_routes.neighbour_rule_wins(trapped, "down", "right")
     cornered = ["SH", "HG"]  # both moves are holes: it takes the second, right, into the hole
     assert not fixed_routes.neighbour_rule_wins(cornered, "down", "right")
