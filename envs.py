@@ -247,13 +247,16 @@ def cells_with(map_rows, tile):
 TILE_NAMES = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
 
 
+def walks_onto(map_rows, position, action):
+    """What a (firm) move walks onto: 'ice', 'hole', 'goal', or 'edge' where it leaves you in place."""
+    row, col = frozen_lake_slide(map_rows, position, action)
+    return "edge" if (row, col) == tuple(position) else TILE_NAMES[map_rows[row][col]]
+
+
 def neighbour_text(map_rows, position):
     """What each move would walk onto: 'left edge, down ice, right hole, up edge'."""
-    words = []
-    for action, name in enumerate(FROZEN_LAKE_ACTIONS):
-        row, col = frozen_lake_slide(map_rows, position, action)  # the edge leaves you in place
-        words.append(f"{name} {'edge' if (row, col) == tuple(position) else TILE_NAMES[map_rows[row][col]]}")
-    return ", ".join(words)
+    return ", ".join(f"{name} {walks_onto(map_rows, position, action)}"
+                     for action, name in enumerate(FROZEN_LAKE_ACTIONS))
 
 
 def offset_text(d_row, d_col):

@@ -33,18 +33,17 @@ def clear_fraction(route: str, maps: list) -> float:
     return sum(all(m[r][c] != "H" for r, c in route_cells(route)) for m in maps) / len(maps)
 
 
-def neighbour_rule_wins(map_rows, first, second, max_steps=16) -> bool:
+def neighbour_rule_wins(map_rows, first, second) -> bool:
     """Greedy play of "move `first` unless it walks onto a hole or the edge, else `second`"."""
-    first, second = envs.FROZEN_LAKE_ACTIONS.index(first), envs.FROZEN_LAKE_ACTIONS.index(second)
-    position = envs.cells_with(map_rows, "S")[0]
-    for _ in range(max_steps):
-        ahead = envs.frozen_lake_slide(map_rows, position, first)
-        blocked = ahead == position or map_rows[ahead[0]][ahead[1]] == "H"
-        position = envs.frozen_lake_slide(map_rows, position, second if blocked else first)
-        tile = map_rows[position[0]][position[1]]
-        if tile in "HG":
-            return tile == "G"
-    return False
+    game = envs.make("frozen_lake", map=list(map_rows))
+    game.reset(seed=0)
+    first, second = game.actions.index(first), game.actions.index(second)
+    done = False
+    while not done:
+        blocked = envs.walks_onto(game.map, game.position, first) in ("hole", "edge")
+        _, _, terminated, truncated, info = game.step(second if blocked else first)
+        done = terminated or truncated
+    return info["success"]
 
 
 def main(argv=None):

@@ -90,9 +90,7 @@ def by_neighbour(probabilities, move):
     """Mean P(move) over the probed cells, grouped by what the move walks onto: ice, hole, goal or edge."""
     groups = {}
     for (map_rows, cell), (p, _) in probabilities.items():
-        row, col = envs.frozen_lake_slide(map_rows, cell, move)
-        onto = "edge" if (row, col) == cell else envs.TILE_NAMES[map_rows[row][col]]
-        groups.setdefault(onto, []).append(p[move])
+        groups.setdefault(envs.walks_onto(map_rows, cell, move), []).append(p[move])
     return {onto: (float(np.mean(values)), len(values)) for onto, values in groups.items()}
 
 
