@@ -299,24 +299,58 @@ class FrozenLake(TextGame):
         return {"G": 1.0, "H": self.hole_penalty}.get(tile, 0.0), tile in "HG"
 
     def state_text(self):
-        """The goal's offset, what lies next to you, then the grid.
+        """The goal's offset, then the grid.
 
-        The offset and the neighbour line restate the map from where you stand: a small model
-        reads them far more easily than it finds itself in the grid. Coordinates and a list of
-        holes were dropped to keep the prompt short (results/NOTES.md).
+        The offset restates the map from where you stand: a small model reads it far more easily
+        than it finds itself in the grid. Coordinates and a list of holes were dropped to keep the
+        prompt short (results/NOTES.md).
         """
         row, col = self.position
         goal_row, goal_col = cells_with(self.map, "G")[0]
         grid = [["P" if (r, c) == self.position else ("F" if tile == "S" else tile)
                  for c, tile in enumerate(map_row)] for r, map_row in enumerate(self.map)]
         return (f"Goal: {offset_text(goal_row - row, goal_col - col)}.\n"
-                f"Next to you: {neighbour_text(self.map, self.position)}.\n"
                 f"Map (P = you, F = ice):\n{grid_text(grid)}")
+
+    def observation(self):
+        """The shared text, then what each move walks onto, last: right before the reply.
+
+        With every decision labelled, SmolLM2-135M learned to read this line on unseen maps from
+        fewer examples when it came last than when it came before the map
+        (benchmarks/yardstick.py, results/yardstick).
+        """
+        return f"{super().observation()}\nNext to you: {neighbour_text(self.map, self.position)}."
 
     def state_info(self):
         tile = self.map[self.position[0]][self.position[1]]
         return {"position": self.position, "map": list(self.map), "slippery": self.slippery,
                 "success": tile == "G"}
+
+
+def probe_states(n_maps, first_seed, **options):
+    """Fixed states for probing a Frozen Lake policy: (map_rows, position, observation_text) for
+    every open cell (not H, not G) of the maps of seeds first_seed .. first_seed + n_maps - 1.
+
+    The observation is what the game shows with you on that cell and the step counter at its
+    start value; `options` are the game's (max_steps, size, slippery, ...). The seeds must be
+    training seeds, so the held-out maps stay unseen. A map that several seeds share (a fixed
+    `map` option) is probed once.
+    """
+    if first_seed < 0 or first_seed + n_maps > HELDOUT_SEED_START:
+        raise ValueError(f"probe seeds must be training seeds, below {HELDOUT_SEED_START}")
+    seeded = make("frozen_lake", **options)
+    seeds = range(first_seed, first_seed + n_maps)
+    maps = dict.fromkeys(tuple(seeded.reset(seed=seed)[1]["map"]) for seed in seeds)  # in order, once each
+    states = []
+    for map_rows in maps:
+        game = make("frozen_lake", **{**options, "map": list(map_rows)})
+        game.reset(seed=0)
+        for row, line in enumerate(map_rows):
+            for col, tile in enumerate(line):
+                if tile not in "HG":
+                    game.position = (row, col)
+                    states.append((map_rows, (row, col), game.observation()))
+    return states
 
 
 # ---- Snake, optionally with a second snake that moves at random among safe moves ----

@@ -16,7 +16,8 @@ The file reads top to bottom in the order data flows:
     8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
     9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
    10. POAD (--algo poad)     the other credit assignment: a critic and a per-token backup (BAD)
-   11. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds
+   11. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds;
+                              the map-reading probe (does P(move) drop where the move is a hole?)
    12. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
    13. CLI                    python msgrpo.py --env frozen_lake
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -59,8 +61,10 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    iterations: int = 0  # 0 = 100 on CUDA, 12 on the CPU: past ~13 the CPU run collapsed (results/NOTES.md)
-    groups: int = 2  # B: start states per iteration
+    # 0 = 100 on CUDA, 12 on the CPU: the reply format and the goal's direction are learned by then;
+    # continue with --resume RUN --lr 5e-5, which kept the policy from collapsing (results/NOTES.md).
+    iterations: int = 0
+    groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
     think: bool = False  # ask for <think>...</think> before the action
@@ -77,7 +81,7 @@ class Config:
     # Steps per forward/backward; lower it if memory runs out. 0 = 16, or 4 with thinking: sixteen
     # ~420-token thinking steps needed over 24 GB on the CPU and were killed (results/NOTES.md).
     micro_batch: int = 0
-    lr: float = 3e-4
+    lr: float = 2e-4
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2  # ratio clip; POAD also clips its value change by it (CleanRL's ppo.py)
@@ -90,6 +94,7 @@ class Config:
     gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
     eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200
+    probe_every: int = 5  # iterations between map-reading probes (Frozen Lake, section 11); 0 = off
     seed: int = 0
     run_dir: str = ""  # "" = runs/<env>-<time>
 
@@ -357,25 +362,41 @@ def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
     return len(ids)
 
 
+@functools.cache
+def action_end_criterion(tokenizer):
+    """Stop a reply once it has written </action>. transformers builds this criterion by scanning the
+    whole vocabulary (seconds for a 150k-token one), so it is built once per tokenizer, not per call."""
+    from transformers import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, [ACTION_END])
+
+
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float) -> tuple[list[list[int]], list[list[float]]]:
+                     temperature: float, share_prefix: bool = True) -> tuple[list[list[int]], list[list[float]]]:
     """One batched generate over all prompts; returns the sampled ids and their log-probs.
 
     Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty,
     whatever the model's generation_config says), so the log-probs the loss recomputes belong to
-    the same distribution the tokens were drawn from. temperature 0 means greedy.
+    the same distribution the tokens were drawn from. temperature 0 means greedy. The prompts'
+    shared prefix is run once and its keys and values given to every row (prefix_cache);
+    share_prefix=False runs every prompt whole (the same numbers, slower).
     """
     model.eval()
     device = next(model.parameters()).device
-    input_ids, attention_mask = left_pad(prompts, tokenizer.pad_token_id)
+    shared = shared_prefix_length(prompts) if share_prefix else 0
+    suffix_ids, suffix_mask = left_pad([p[shared:] for p in prompts], tokenizer.pad_token_id)
+    prefix = torch.tensor(prompts[0][:shared], dtype=torch.long)
+    input_ids = torch.cat([prefix.expand(len(prompts), shared), suffix_ids], dim=1)
+    attention_mask = torch.cat([torch.ones(len(prompts), shared, dtype=torch.long), suffix_mask], dim=1)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
     with packed_4bit_weights(model):
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            cache=prefix_cache(model, prefix, len(prompts)) if shared else None,
             max_new_tokens=max_new_tokens, repetition_penalty=1.0,
             **(sampling if temperature > 0 else dict(do_sample=False)),
-            stop_strings=[ACTION_END], tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id,
+            stopping_criteria=[action_end_criterion(tokenizer)], pad_token_id=tokenizer.pad_token_id,
             output_scores=True, return_dict_in_generate=True,
         )
     new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
@@ -478,26 +499,67 @@ def episode_steps(episodes: list[Episode], advantages: np.ndarray, chosen) -> li
 
 @dataclass
 class StepBatch:
-    """Steps as one left-padded tensor batch: prompt + response, every response ending last."""
-    input_ids: torch.Tensor  # [N, L]
-    attention_mask: torch.Tensor  # [N, L] 1 on prompt and response tokens
-    response_mask: torch.Tensor  # [N, L] 1 on response tokens only: the tokens the loss trains
-    advantages: torch.Tensor  # [N] the step's episode advantage
+    """Steps as one tensor batch: prompt + response, left-padded so every response ends last.
+
+    What several steps share is read once (collate_steps(read_once=True)): prefix_ids holds the
+    tokens every row starts with (system prompt, rules, action list), cut off the rows (prefix
+    caching); and identical steps (the G episodes of a group all start from the same observation,
+    and often answer alike) share one row, step_rows saying which. Both are empty/identity otherwise.
+    """
+    input_ids: torch.Tensor  # [U, L] the distinct steps, each after the shared prefix
+    attention_mask: torch.Tensor  # [U, L] 1 on prompt and response tokens
+    response_mask: torch.Tensor  # [U, L] 1 on response tokens only: the tokens the loss trains
+    advantages: torch.Tensor  # [N] each step's episode advantage
+    prefix_ids: torch.Tensor  # [P] the tokens every row starts with
+    step_rows: torch.Tensor  # [N] the row of input_ids that step n reads
 
     def token_advantages(self) -> torch.Tensor:
-        """The broadcast: every response token gets its episode's A_i, prompt and pad get 0."""
-        return self.advantages[:, None] * self.response_mask
+        """The broadcast: every response token gets its episode's A_i, prompt and pad get 0. [N, L]"""
+        return self.advantages[:, None] * self.response_mask[self.step_rows]
+
+    def response_tokens(self) -> int:
+        """Response tokens over all steps, identical steps counted each time (the loss's token count)."""
+        return int(self.response_mask.sum(1)[self.step_rows].sum())
 
 
-def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) -> StepBatch:
-    """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids."""
-    input_ids, attention_mask = left_pad([p + r for p, r, _ in steps], pad_id)
+def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
+    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
+
+    Every LAP prompt starts with the same system prompt, rules and action list (about 90 of
+    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps.
+    """
+    if len(sequences) < 2:
+        return 0
+    first, limit = sequences[0], min(len(s) for s in sequences) - keep
+    length = 0
+    while length < limit and all(s[length] == first[length] for s in sequences):
+        length += 1
+    return length
+
+
+def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
+                  read_once: bool = False) -> StepBatch:
+    """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids.
+
+    read_once: identical steps get one row, and the tokens all rows start with go to prefix_ids
+    (never a response token); response_logprobs hands every step its row's log-probs, so the loss
+    and its gradients are the same as with one row per step.
+    """
+    pairs = [(tuple(p), tuple(r)) for p, r, _ in steps]
+    distinct = list(dict.fromkeys(pairs)) if read_once else pairs
+    row_of = {pair: row for row, pair in enumerate(distinct)}
+    sequences = [list(p + r) for p, r in distinct]
+    keep = max(len(r) for _, r in distinct) + 1  # the positions that predict a response stay in the rows
+    shared = shared_prefix_length(sequences, keep) if read_once else 0
+    input_ids, attention_mask = left_pad([s[shared:] for s in sequences], pad_id)
     response_mask = torch.zeros_like(attention_mask)
-    for row, (_, response, _) in enumerate(steps):
+    for row, (_, response) in enumerate(distinct):
         if response:
             response_mask[row, -len(response):] = 1
-    advantages = torch.tensor([a for _, _, a in steps], dtype=torch.float32)
-    return StepBatch(input_ids, attention_mask, response_mask, advantages)
+    return StepBatch(input_ids, attention_mask, response_mask,
+                     advantages=torch.tensor([a for _, _, a in steps], dtype=torch.float32),
+                     prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long),
+                     step_rows=torch.tensor([row_of[pair] if read_once else n for n, pair in enumerate(pairs)]))
 
 
 def chunks(items: list, size: int):
@@ -558,29 +620,73 @@ def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
     return ((diff.exp() - diff - 1) * mask).sum() / mask.sum().clamp(min=1)
 
 
+def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
+    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each row.
+
+    Attention lets a token see the earlier tokens only through their keys and values, so a prefix
+    all rows share can be run once and its keys and values handed to every row: the same numbers as
+    running it in each row, at a fraction of the cost. Under autograd the repeat sums the rows'
+    gradients back into the one prefix pass, so training gets exactly the full pass's gradients.
+    """
+    device = next(model.parameters()).device
+    cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
+    cache.batch_repeat_interleave(rows)
+    return cache
+
+
+def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
+    """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids.
+
+    The prefix is run once (prefix_cache) and every row continues from its keys and values.
+    Position ids follow the attention mask, so a padded row sees the positions generate() gives it.
+    """
+    device = next(model.parameters()).device
+    rows, shared = input_ids.shape[0], len(prefix_ids)
+    cache = prefix_cache(model, prefix_ids, rows) if shared else None
+    attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
+    return model(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None, logits_to_keep=keep,
+    ).logits
+
+
 def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the sampled response tokens under the current policy at temperature T.
 
     Every response ends at the last position (left padding), so only the last n + 1 positions
-    need the vocabulary projection (logits_to_keep), n being the longest response. Position ids
-    follow the attention mask so a padded row sees the same positions it saw in generate().
+    need the vocabulary projection (logits_to_keep), n being the longest response.
     Returns (logprobs [N, n], mask [N, n]).
     """
-    device = next(model.parameters()).device
     n = int(batch.response_mask.sum(1).max())
-    position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-        position_ids=position_ids.to(device), logits_to_keep=n + 1, use_cache=False,
-    ).logits[:, :-1].float() / max(temperature, 1e-6)
-    targets = batch.input_ids[:, -n:].to(device)
+    logits = last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids, n + 1)
+    logits = logits[:, :-1].float() / max(temperature, 1e-6)
+    targets = batch.input_ids[:, -n:].to(logits.device)
     logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
-    return logprobs, batch.response_mask[:, -n:].to(device)
+    rows = batch.step_rows.to(logits.device)  # identical steps read one row: each gets its values
+    return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
 
 
 # ---------------------------------------------------------------------------------------------
 # 9. Training loop
 # ---------------------------------------------------------------------------------------------
+
+
+def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator) -> list[list[list]]:
+    """Shuffled minibatches of cfg.minibatch steps (one optimizer step each), cut into micro-batches.
+
+    Inside a minibatch the steps are sorted, so identical ones land in the same micro-batch and are
+    read once: a minibatch's gradient is a sum over its steps, whatever their order.
+    """
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    return [list(chunks(sorted(mb, key=lambda step: (step[0], step[1])), cfg.micro_batch))
+            for mb in chunks(order, cfg.minibatch)]
+
+
+def reads_once(model) -> bool:
+    """Gradient checkpointing recomputes each layer without its cache, so a shared prefix cannot be
+    handed over as keys and values there: read every row whole."""
+    return not any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
 
 
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
@@ -591,9 +697,8 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
     first step records them (the policy that sampled the rollouts).
     """
     model.train()
-    order = [steps[i] for i in rng.permutation(len(steps))]
-    minibatches = [list(chunks(mb, cfg.micro_batch)) for mb in chunks(order, cfg.minibatch)]
-    batches = [[collate_steps(micro, tokenizer.pad_token_id) for micro in mb] for mb in minibatches]
+    batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once=reads_once(model)) for micro in mb]
+               for mb in plan_minibatches(steps, cfg, rng)]
     old_logprobs = None
     if cfg.epochs > 1 or len(batches) > 1:
         # No gradient here, so the fast packed layout serves, as in rollouts; the ratio then starts
@@ -604,7 +709,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
     for _ in range(cfg.epochs):
         for m, minibatch in enumerate(batches):
             optimizer.zero_grad(set_to_none=True)
-            total_tokens = sum(int(b.response_mask.sum()) for b in minibatch)
+            total_tokens = sum(b.response_tokens() for b in minibatch)
             logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
             for j, batch in enumerate(minibatch):
                 logp, mask = response_logprobs(model, batch, cfg.temperature)
@@ -693,10 +798,13 @@ def train(cfg: Config, resume: bool = False) -> Path:
     first = 1
     if checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer"])
+        for group in optimizer.param_groups:  # the saved state carries the old rate; --lr given now wins
+            group["lr"] = cfg.lr
         rng.bit_generator.state = checkpoint["numpy_rng"]
         torch.set_rng_state(checkpoint["torch_rng"])
         first = checkpoint["iteration"] + 1
         truncate_metrics(run_dir, checkpoint["iteration"])
+        save_json(run_dir / "config.json", dataclasses.asdict(cfg))  # flags given with --resume are kept
         print(f"resuming {run_dir} after iteration {checkpoint['iteration']}")
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -704,12 +812,16 @@ def train(cfg: Config, resume: bool = False) -> Path:
         save_json(run_dir / "config.json", dataclasses.asdict(cfg))
         record_eval(run_dir, 0, evaluate_policy(model, tokenizer, cfg))
 
+    probe_states = envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **env_options(cfg)) if probe_applies(cfg) else []
     last_saved = first - 1
     try:
         for iteration in tqdm(range(first, cfg.iterations + 1), desc=f"{cfg.algo} iterations",
                               initial=first - 1, total=cfg.iterations):
             start = time.time()
             try:
+                # Before the update: like the rollout metrics of its line, the probe reads the policy
+                # that plays this iteration (at iteration 1, the untrained one).
+                probe = map_reading_probe(model, tokenizer, cfg, probe_states) if probe_due(cfg, iteration) else {}
                 metrics = train_iteration(model, optimizer, tokenizer, cfg, rng)
             except FloatingPointError as error:
                 raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
@@ -717,7 +829,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
             except torch.cuda.OutOfMemoryError:
                 raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
                                  "--group-size / --max-new-tokens (rollouts).")
-            metrics = {"iteration": iteration, **metrics, "seconds": time.time() - start}
+            metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
             save_checkpoint(run_dir, model, optimizer, rng, iteration)
             append_metrics(run_dir, metrics)
             last_saved = iteration
@@ -738,9 +850,11 @@ def train(cfg: Config, resume: bool = False) -> Path:
 
 
 def progress_line(m: dict) -> str:
+    probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
+             if "probe_down_ratio" in m else "")  # 1: map-blind; towards 0: it reads the map
     return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  success {m['success_rate']:.2f}  "
             f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
-            f"loss {m['loss']:+.3f}  {m['seconds']:.0f}s")
+            f"loss {m['loss']:+.3f}  {probe}{m['seconds']:.0f}s")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -833,7 +947,7 @@ def logprobs_and_values(model, batch: StepBatch, temperature: float):
     finally:
         hook.remove()
     # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
-    return logprobs, mask, model.value_head(hidden[0][:, :-1].detach())
+    return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())[batch.step_rows.to(logprobs.device)]
 
 
 @dataclass
@@ -960,6 +1074,81 @@ def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes:
     return result
 
 
+# The map-reading probe: every open cell of these fixed training maps, scored every --probe-every
+# iterations. Fixed states make the curve compare like with like from one iteration to the next.
+PROBE_MAPS = 16
+PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
+
+
+def probe_applies(cfg: Config) -> bool:
+    """The probe reads the move off the reply's first token: Frozen Lake with "<action>" pre-filled."""
+    return cfg.probe_every > 0 and cfg.env == "frozen_lake" and response_prefix(cfg) == "<action>"
+
+
+def probe_due(cfg: Config, iteration: int) -> bool:
+    """Every probe_every iterations, and at iteration 1 so the curve starts at the untrained policy."""
+    return probe_applies(cfg) and (iteration == 1 or iteration % cfg.probe_every == 0)
+
+
+def move_token_ids(tokenizer) -> list[list[int]]:
+    """Per move (envs.FROZEN_LAKE_ACTIONS order), the first token of "down" and of " down":
+    a reply may start with either, and they are different tokens."""
+    return [sorted({tokenizer.encode(word, add_special_tokens=False)[0] for word in (move, " " + move)})
+            for move in envs.FROZEN_LAKE_ACTIONS]
+
+
+@torch.no_grad()
+def move_probabilities(model, tokenizer, cfg: Config, observations: list[str], greedy: bool = False):
+    """P(the reply's first token names each move), an array [N, 4] in envs.FROZEN_LAKE_ACTIONS order.
+
+    With "<action>" pre-filled the first reply token decides the move, so one forward pass per
+    observation reads the policy: P(move) = sum over the move's first tokens t of softmax(logits)_t,
+    at temperature 1 (the model's own distribution). The rest of the mass is an invalid reply.
+    Nothing is sampled, so no random numbers are drawn. With greedy=True it also returns each
+    observation's greedy move: the move whose token is the most likely of all, -1 where none is.
+    """
+    model.eval()
+    first_tokens = move_token_ids(tokenizer)
+    prompts = [lap_prompt_ids(tokenizer, obs, cfg) for obs in observations]
+    probabilities, greedy_moves = np.zeros((len(prompts), 4)), np.full(len(prompts), -1)
+    with packed_4bit_weights(model):
+        for start in range(0, len(prompts), cfg.micro_batch):
+            chunk = prompts[start:start + cfg.micro_batch]
+            shared = shared_prefix_length(chunk)
+            ids, mask = left_pad([p[shared:] for p in chunk], tokenizer.pad_token_id)
+            logits = last_logits(model, ids, mask, torch.tensor(chunk[0][:shared], dtype=torch.long), 1)[:, -1]
+            probs = logits.float().softmax(-1).cpu()
+            for row, p in enumerate(probs, start=start):
+                probabilities[row] = [p[tokens].sum().item() for tokens in first_tokens]
+                top = int(p.argmax())
+                greedy_moves[row] = next((m for m, tokens in enumerate(first_tokens) if top in tokens), -1)
+    return (probabilities, greedy_moves) if greedy else probabilities
+
+
+def group_mean(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else math.nan
+
+
+def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dict:
+    """Does the policy read the map? For down and right (the goal lies down and to the right, so
+    they are the moves it makes), over the probe states (envs.probe_states):
+
+        probe_<move>_hole   mean P(move) where the move walks into a hole
+        probe_<move>_ice    mean P(move) where it walks onto ice
+        probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
+                            into a hole it is shown (NaN where a group is empty or ice is 0)
+    """
+    probabilities = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states])
+    result = {}
+    for name in ("down", "right"):
+        move = envs.FROZEN_LAKE_ACTIONS.index(name)
+        onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states], dtype=object)
+        hole, ice = (group_mean(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
+        result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
+        result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Run folder: everything needed to inspect, plot and resume a run
 # ---------------------------------------------------------------------------------------------
@@ -1052,8 +1241,9 @@ def plot_curves(run_dir: Path) -> None:
         return
     score, interval = envs.score_keys(config.get("env", "frozen_lake"))  # Snake's success is always 0
     x = [m["iteration"] for m in metrics]
-    fig = Figure(figsize=(15, 4))
-    axes = fig.subplots(1, 3)
+    probed = [m for m in metrics if "probe_down_ratio" in m]  # none for Snake or --probe-every 0
+    fig = Figure(figsize=(20, 4) if probed else (15, 4))
+    axes = fig.subplots(1, 4 if probed else 3)
     axes[0].plot(x, [m[score] for m in metrics], label="training episodes")
     for points, label in [(evals, "held-out, greedy (95% CI)"), (sampled_evals(evals), "held-out, sampled (95% CI)")]:
         if points:
@@ -1074,8 +1264,22 @@ def plot_curves(run_dir: Path) -> None:
                  label="zero-variance groups (fraction)")
     axes[2].set(title="collapse and signal", xlabel="iteration")
     axes[2].legend()
+    if probed:
+        plot_map_reading(axes[3], probed)
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
+
+
+def plot_map_reading(ax, probed: list[dict]) -> None:
+    """Mean P(move) where it walks into a hole / mean P(move) where it walks onto ice, at the probed
+    iterations: 1 for a policy blind to the map, falling towards 0 as it learns to read it."""
+    x = [m["iteration"] for m in probed]
+    for name in ("down", "right"):
+        ax.plot(x, [m[f"probe_{name}_ratio"] for m in probed], "o-", label=f"{name}: P(into hole) / P(onto ice)")
+    ax.axhline(1.0, color="gray", linestyle="--", label="map-blind")
+    ax.set_ylim(bottom=0)
+    ax.set(title="map reading (probe)", xlabel="iteration")
+    ax.legend()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1121,6 +1325,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("vf-coef", float, "poad/ntpo: value-loss weight"),
         ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
         ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
+        ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)"),
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     p.add_argument("--algo", choices=ALGOS, help="msgrpo (default), or poad / ntpo: a critic's per-token "

@@ -1,22 +1,28 @@
-"""Where the time goes, measured side by side in one run on the same model and seeds.
+"""What reading shared tokens once saves, measured side by side in one run on the same rollouts.
 
-    python benchmarks/bench_cpu.py                      # SmolLM2-135M, 16 episodes, 4 steps each
-    python benchmarks/bench_cpu.py --model tiny --episodes 8
+    python benchmarks/bench_cpu.py                      # SmolLM2-135M, 2 groups x 8 episodes
+    python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4
 
-(a) rollouts: all episodes stepped in lockstep (one batched generate per step) vs one episode at
-    a time; env steps per second and the ratio.
-(b) the update: training tokens per second of forward+backward, and peak memory.
-(c) one MS-GRPO iteration split into rollout, scoring (the no-grad log-prob pass needed when
-    several optimizer steps reuse a batch) and update.
-Prints a Markdown table; --out writes it to a file too.
+Every Frozen Lake prompt starts with the same system prompt, rules and action list, and the G
+episodes of a group start from the same observation. Two ways to run the same work:
+    plain    every row read whole; the stop-at-</action> criterion built on every generate call
+    once     the shared prefix run once and its keys and values reused by every row (prefix
+             caching); identical steps of a minibatch read once; the criterion built once
+(a) a rollout step: real MS-GRPO rollouts (B groups x G episodes in lockstep), seconds per env step;
+(b) a trained step: forward + backward over every step of those rollouts, in the update's
+    minibatches and micro-batches, seconds per step.
+Each is timed --repeats times (the median is reported). Prints a Markdown table with the
+speed-ups; --out writes it to a file too.
 """
 
 import argparse
-import dataclasses
+import functools
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -31,60 +37,90 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
-def timed(function, *args):
-    start = time.perf_counter()
-    result = function(*args)
-    return result, time.perf_counter() - start
+def median_seconds_per_item(function, repeats: int) -> float:
+    """function() -> how many items (env steps, trained steps) it did; the median seconds per item."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        items = function()
+        times.append((time.perf_counter() - start) / items)
+    return statistics.median(times)
+
+
+def rollouts(model, tokenizer, cfg, seeds, once: bool):
+    """play_groups, with every prompt read whole and the stop criterion rebuilt per call unless once."""
+    torch.manual_seed(0)
+    if once:
+        return msgrpo.play_groups(model, tokenizer, cfg, seeds)
+    original = msgrpo.sample_responses
+
+    def plain(*args, **kwargs):
+        msgrpo.action_end_criterion.cache_clear()  # as transformers does when given stop_strings
+        return original(*args, **kwargs, share_prefix=False)
+
+    with mock.patch.object(msgrpo, "sample_responses", plain):
+        return msgrpo.play_groups(model, tokenizer, cfg, seeds)
+
+
+def trained_steps(model, tokenizer, cfg, steps, once: bool):
+    """Forward + backward over every step, in the update's micro-batches (no optimizer step); returns
+    the number of steps."""
+    for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
+        model.zero_grad(set_to_none=True)
+        for micro in minibatch:
+            batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=once)
+            logp, mask = msgrpo.response_logprobs(model, batch, cfg.temperature)
+            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+    return len(steps)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--episodes", type=int, default=16, help="concurrent episodes in the batched rollout")
-    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-steps", type=int, default=8, help="the game's step limit for these rollouts")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per measure (the median is reported)")
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args(argv)
 
     cfg = msgrpo.resolve_defaults(msgrpo.Config(
-        model=args.model, groups=1, group_size=args.episodes, env_options={"max_steps": args.max_steps},
-        run_dir="unused", minibatch=0))
+        model=args.model, groups=args.groups, group_size=args.group_size,
+        env_options={"max_steps": args.max_steps}, run_dir="unused"))
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
-    seed = 12345
+    seeds = list(range(101, 101 + args.groups))
+    episodes = rollouts(model, tokenizer, cfg, seeds, once=True)  # warm-up, and the steps to train on
+    env_steps = sum(len(ep.rewards) for ep in episodes)
 
-    # (a) lockstep vs one at a time, same seed, same number of episodes
-    torch.manual_seed(1)
-    batched, batched_s = timed(msgrpo.play_groups, model, tokenizer, cfg, [seed])
-    single_cfg = dataclasses.replace(cfg, group_size=1)
-    torch.manual_seed(1)
-    singles, single_s = timed(lambda: [ep for _ in range(args.episodes)
-                                       for ep in msgrpo.play_groups(model, tokenizer, single_cfg, [seed])])
-    batched_steps = sum(len(ep.rewards) for ep in batched)
-    single_steps = sum(len(ep.rewards) for ep in singles)
-    batched_rate, single_rate = batched_steps / batched_s, single_steps / single_s
+    # (a) rollout steps, plain vs once
+    def env_steps_played(once):
+        return sum(len(ep.rewards) for ep in rollouts(model, tokenizer, cfg, seeds, once))
 
-    # (b) + (c): score and update on every step of the batched rollout, advantages +-1
-    returns = msgrpo.episode_returns([ep.rewards for ep in batched])
-    advantages = np.where(np.arange(len(batched)) % 2 == 0, 1.0, -1.0)
-    steps = msgrpo.episode_steps(batched, advantages, np.arange(len(batched)))
-    tokens = sum(len(p) + len(r) for p, r, _ in steps)
-    batches = [msgrpo.collate_steps(chunk, tokenizer.pad_token_id) for chunk in msgrpo.chunks(steps, cfg.micro_batch)]
-    model.eval()
-    with torch.no_grad(), msgrpo.packed_4bit_weights(model):  # as update_policy's scoring pass
-        _, scoring_s = timed(lambda: [msgrpo.response_logprobs(model, b, cfg.temperature) for b in batches])
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    _, update_s = timed(msgrpo.update_policy, model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
+    rollout = {once: median_seconds_per_item(functools.partial(env_steps_played, once), args.repeats)
+               for once in (False, True)}
+
+    # (b) trained steps over every step of the rollouts, advantages +-1 by episode
+    advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
+    steps = msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
+    model.train()
+    trained = {once: median_seconds_per_item(functools.partial(trained_steps, model, tokenizer, cfg, steps, once),
+                                             args.repeats) for once in (False, True)}
+    distinct = len({(tuple(p), tuple(r)) for p, r, _ in steps})
+    prompts = [p for p, _, _ in steps]
 
     rows = [
-        ("model", args.model),
-        ("threads", torch.get_num_threads()),
-        ("episodes x max steps", f"{args.episodes} x {args.max_steps} (mean return {returns.mean():+.2f})"),
-        ("(a) lockstep rollout", f"{batched_steps} steps in {batched_s:.1f} s = {batched_rate:.2f} steps/s"),
-        ("(a) one episode at a time", f"{single_steps} steps in {single_s:.1f} s = {single_rate:.2f} steps/s"),
-        ("(a) speed-up, lockstep / one at a time", f"{batched_rate / single_rate:.1f}x"),
-        ("(b) update: forward+backward tokens/s", f"{tokens / update_s:.0f} ({tokens} tokens, micro-batch {cfg.micro_batch} steps)"),
-        ("(b) peak memory (MB)", f"{peak_memory_mb():.0f}"),
-        ("(c) iteration: rollout / scoring / update (s)", f"{batched_s:.1f} / {scoring_s:.1f} / {update_s:.1f}"),
+        ("model, threads", f"{args.model}, {torch.get_num_threads()}"),
+        ("rollouts", f"{args.groups} groups x {args.group_size} episodes, step limit {args.max_steps}: "
+                     f"{env_steps} env steps ({distinct} distinct), prompt {np.mean([len(p) for p in prompts]):.0f} "
+                     f"tokens, {msgrpo.shared_prefix_length(prompts)} shared by all"),
+        ("(a) rollout step, plain (s per env step)", f"{rollout[False]:.3f}"),
+        ("(a) rollout step, once (s per env step)", f"{rollout[True]:.3f}"),
+        ("(a) speed-up", f"**{rollout[False] / rollout[True]:.1f}x**"),
+        ("(b) trained step, plain (s per step)", f"{trained[False]:.3f}"),
+        ("(b) trained step, once (s per step)", f"{trained[True]:.3f}"),
+        ("(b) speed-up", f"**{trained[False] / trained[True]:.1f}x**"),
+        ("peak memory (MB)", f"{peak_memory_mb():.0f}"),
     ]
     table = "| measure | value |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
     print(table)

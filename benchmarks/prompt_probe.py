@@ -21,7 +21,6 @@ from unittest import mock
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
@@ -37,31 +36,13 @@ FORMATS = {
 }
 
 
-def move_probabilities(model, tokenizer, cfg, maps):
-    """{(map, cell): (P(first reply token names each move), greedy move or None)} per open cell."""
-    first_tokens = [sorted({tokenizer.encode(w, add_special_tokens=False)[0] for w in (move, " " + move)})
-                    for move in envs.FROZEN_LAKE_ACTIONS]
-    items = []
-    for map_rows in maps:
-        game = envs.make("frozen_lake", **{**msgrpo.env_options(cfg), "map": list(map_rows)})
-        game.reset(seed=0)
-        for row, line in enumerate(map_rows):
-            for col, tile in enumerate(line):
-                if tile in "HG":
-                    continue
-                game.position = (row, col)
-                items.append(((map_rows, (row, col)), msgrpo.lap_prompt_ids(tokenizer, game.observation(), cfg)))
-    probabilities = {}
-    for start in range(0, len(items), 16):
-        chunk = items[start:start + 16]
-        ids, mask = msgrpo.left_pad([prompt for _, prompt in chunk], tokenizer.pad_token_id)
-        with torch.no_grad(), msgrpo.packed_4bit_weights(model):
-            probs = model(input_ids=ids, attention_mask=mask).logits[:, -1].float().softmax(-1)
-        for row, (key, _) in enumerate(chunk):
-            top = int(probs[row].argmax())
-            greedy = next((move for move, tokens in enumerate(first_tokens) if top in tokens), None)
-            probabilities[key] = (np.array([probs[row, tokens].sum().item() for tokens in first_tokens]), greedy)
-    return probabilities
+def cell_probabilities(model, tokenizer, cfg, states):
+    """{(map, cell): (P(first reply token names each move), greedy move or None)} per probe state
+    (envs.probe_states), by msgrpo.move_probabilities under cfg's prompt."""
+    observations = [obs for _, _, obs in states]
+    probs, greedy = msgrpo.move_probabilities(model, tokenizer, cfg, observations, greedy=True)
+    return {(map_rows, cell): (p, int(move) if move >= 0 else None)
+            for (map_rows, cell, _), p, move in zip(states, probs, greedy)}
 
 
 def success_probability(map_rows, policy, max_steps):
@@ -104,12 +85,13 @@ def main(argv=None):
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.adapter)
     max_steps = envs.make("frozen_lake").max_steps
     maps = [tuple(envs.make("frozen_lake").reset(seed=700 + i)[1]["map"]) for i in range(args.maps)]
+    states = envs.probe_states(args.maps, 700, **msgrpo.env_options(cfg))  # every open cell of those maps
     formats = {"msgrpo.FORMAT_PLAIN": msgrpo.FORMAT_PLAIN} if args.adapter else FORMATS
     print("| format instruction | valid-reply mass | P(success), sampled at T=1 | greedy success |")
     print("| --- | ---: | ---: | ---: |")
     for name, instruction in formats.items():
         with mock.patch.object(msgrpo, "FORMAT_PLAIN", instruction):  # the trainer's prompt, this instruction
-            probs = move_probabilities(model, tokenizer, cfg, maps)
+            probs = cell_probabilities(model, tokenizer, cfg, states)
         valid = np.mean([p.sum() for p, _ in probs.values()])
         sampled = np.mean([success_probability(m, lambda cell: probs[(m, cell)][0], max_steps) for m in maps])
         greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]), max_steps)

@@ -1,4 +1,5 @@
-"""The benchmark scripts: the ablation's runs, evaluations and table; the fixed-route reference."""
+"""The benchmark scripts: the ablation's runs, evaluations and table; the fixed-route reference;
+the supervised yardstick for observation wordings."""
 
 import argparse
 import json
@@ -12,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ablation  # noqa: E402
 import fixed_routes  # noqa: E402
 import prompt_probe  # noqa: E402
+import yardstick  # noqa: E402
 import msgrpo  # noqa: E402
 import envs  # noqa: E402
 
@@ -103,3 +105,80 @@ def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch)
     assert run_dir == tmp_path / "poad-think-s3"
     [cfg] = trained_configs
     assert (cfg.algo, cfg.seed, cfg.think, cfg.max_new_tokens, cfg.run_dir) == ("poad", 3, True, 256, str(run_dir))
+
+
+def test_yardstick_states_follow_the_neighbour_rule_are_balanced_and_on_unseen_maps():
+    heldout = yardstick.heldout_states(60)
+    train = yardstick.training_states(40, 0, {s.map_rows for s in heldout})
+    assert [s.label for s in train].count("down") == [s.label for s in train].count("right") == 20
+    assert {s.label for s in train[:20]} == {"down", "right"}  # shuffled, not one label after the other
+    assert {s.label for s in heldout} == {"down", "right"}
+    down = envs.FROZEN_LAKE_ACTIONS.index("down")
+    for s in train + heldout:
+        assert s.map_rows[s.position[0]][s.position[1]] in "SF"  # never on a hole or the goal
+        down_blocked = envs.walks_onto(s.map_rows, s.position, down) in {"hole", "edge"}
+        assert s.label == ("right" if down_blocked else "down")
+    assert not {s.map_rows for s in train} & {s.map_rows for s in heldout}
+    assert yardstick.heldout_states(60) == heldout  # the same held-out states for every run
+
+
+def test_every_yardstick_wording_says_what_each_move_walks_onto():
+    map_rows, position = ("SFFF", "FHFH", "FFFH", "HFFG"), (0, 1)  # left ice, down hole, right ice, up edge
+    game = envs.make("frozen_lake", map=list(map_rows))
+    game.reset(seed=0)
+    game.position, game.steps = position, 4
+    assert yardstick.WORDINGS["neighbour line last (the game)"](map_rows, position, 12) == game.observation()
+    game_lines = game.observation().splitlines()
+    legend = next(i for i, line in enumerate(game_lines) if line.startswith("Map"))
+    map_lines = game_lines[legend:legend + 1 + len(map_rows)]
+    shared = [line for line in game_lines if not line.startswith("Next to you") and line not in map_lines]
+    for name, wording in yardstick.WORDINGS.items():
+        text = wording(map_rows, position, 12)
+        lines = text.splitlines()
+        for move, onto in zip(envs.FROZEN_LAKE_ACTIONS, ["ice", "hole", "ice", "edge"]):
+            assert f"{move} {onto}" in text or f"{move}: {onto}" in lines, (name, move)
+        assert all(line in lines for line in shared), name  # rules, actions, goal, steps left
+        has_map = all(line in lines for line in map_lines)
+        assert has_map == (name != "one line per move, no map"), name
+        assert "Steps left: 12." in lines
+    assert game.observation().endswith("Next to you: left ice, down hole, right ice, up edge.")
+    first = yardstick.WORDINGS["neighbour line first"](map_rows, position, 12).splitlines()
+    assert first[3] == "Next to you: left ice, down hole, right ice, up edge." and first[-1] == "Steps left: 12."
+    assert yardstick.WORDINGS["one line per move"](map_rows, position, 12).endswith(
+        "Steps left: 12.\nleft: ice\ndown: hole\nright: ice\nup: edge")
+
+
+def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp_path):
+    yardstick.main(["--model", "tiny", "--states", "32", "--eval-states", "16", "--eval-every", "16",
+                    "--wordings", "neighbour line first", "one line per move", "--out", tmp_path])
+    rows = json.loads((tmp_path / "yardstick.json").read_text())["rows"]
+    assert [(r["wording"], r["states_seen"]) for r in rows] == [
+        ("neighbour line first", 0), ("neighbour line first", 16), ("neighbour line first", 32),
+        ("one line per move", 0), ("one line per move", 16), ("one line per move", 32)]
+    for r in rows:
+        assert r["states"] == 16 and 0 < r["blocked"] < 16 and r["prompt_tokens"] > 0
+        assert all(0 <= r[key] <= 1 for key in ("accuracy", "accuracy_blocked", "accuracy_open", "mean_p_down"))
+    text = (tmp_path / "yardstick.md").read_text()
+    assert "| neighbour line first | 32 |" in text and "| one line per move | 32 |" in text
+    assert "python benchmarks/yardstick.py --model tiny" in text
+
+    rerun = {**rows[0], "accuracy": 0.5, "command": "python benchmarks/yardstick.py --wordings 'neighbour line first'"}
+    yardstick.write_outputs(tmp_path, [rerun])  # that wording again: its rows go, the other wording's stay
+    rows = json.loads((tmp_path / "yardstick.json").read_text())["rows"]
+    assert [(r["wording"], r["states_seen"]) for r in rows] == [
+        ("neighbour line first", 0), ("one line per move", 0), ("one line per move", 16), ("one line per move", 32)]
+    text = (tmp_path / "yardstick.md").read_text()
+    assert "| neighbour line first | 0 | 0.500 |" in text and text.count("    python benchmarks/yardstick.py") == 2
+
+
+def test_bench_cpu_times_plain_and_once_side_by_side(tmp_path):
+    import bench_cpu
+
+    out = tmp_path / "bench.md"
+    bench_cpu.main(["--model", "tiny", "--groups", "1", "--group-size", "4", "--max-steps", "2", "--repeats", "1",
+                    "--out", str(out)])
+    table = out.read_text()
+    for measure in ["(a) rollout step, plain", "(a) rollout step, once", "(b) trained step, plain",
+                    "(b) trained step, once", "(a) speed-up", "(b) speed-up"]:
+        assert f"| {measure}" in table, measure
+    assert int(table.split(" tokens, ")[1].split(" shared")[0]) > 50  # the system prompt, rules and action list

@@ -176,7 +176,7 @@ def test_frozen_lake_observation_text():
     assert env.rules in obs
     assert "Actions: left, down, right, up." in obs
     assert "Goal: 3 down, 3 right." in obs
-    assert "Next to you: left edge, down ice, right ice, up edge." in obs
+    assert obs.endswith("Steps left: 16.\nNext to you: left edge, down ice, right ice, up edge.")  # last: next to the reply
     assert "P F F F\nF H F H\nF F F H\nH F F G" in obs
     assert "P = you" in obs and "hole H" in obs and "goal G" in obs
     assert "<action>" not in obs  # the response format is the agent's business

@@ -2,7 +2,7 @@
 
 import json
 import math
-import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -209,6 +209,94 @@ def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
         np.testing.assert_allclose(got, values, atol=2e-2)
 
 
+def test_shared_prefix_length_leaves_keep_tokens_of_every_row():
+    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
+    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=1) == 3
+    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=3) == 1
+    assert msgrpo.shared_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share
+    assert msgrpo.shared_prefix_length([[5, 2], [1, 2]]) == 0
+
+
+def _lap_steps(tokenizer, cfg, responses):
+    """Frozen Lake steps from three maps and cells: the prompts share the system prompt and rules."""
+    steps = []
+    for seed, response in zip(range(len(responses)), responses):
+        game = envs.make("frozen_lake")
+        game.reset(seed=seed)
+        game.step(seed % 4)  # different cells, different prompt lengths
+        prompt = msgrpo.lap_prompt_ids(tokenizer, game.observation(), cfg)
+        steps.append((prompt, tokenizer(response, add_special_tokens=False).input_ids, 1.0 - seed))
+    return steps
+
+
+def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
+    """The shared prefix run once (its keys and values repeated for every row) and identical steps
+    read once must give the same per-step log-probs and the same LoRA gradients as one row per step."""
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    for module in model.modules():  # a trained adapter: B = 0 at init would make most gradients 0
+        if hasattr(module, "lora_B"):
+            for weight in module.lora_B.values():
+                torch.nn.init.normal_(weight.weight, std=0.1)
+    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"])
+    steps.append((steps[0][0], steps[0][1], 0.5))  # the same step again, from another episode
+    model.train()
+    results = {}
+    for share in (False, True):
+        batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=share)
+        assert (len(batch.prefix_ids) > 50) == share
+        assert len(batch.input_ids) == (3 if share else 4) and batch.step_rows.tolist()[-1] == (0 if share else 3)
+        assert batch.response_tokens() == sum(len(r) for _, r, _ in steps)
+        model.zero_grad()
+        logp, mask = msgrpo.response_logprobs(model, batch, 0.7)
+        loss = msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[share] = (logp.detach(), mask, grads)
+    (full, mask, full_grads), (cached, cached_mask, cached_grads) = results[False], results[True]
+    assert torch.equal(mask, cached_mask)
+    assert (full - cached)[mask.bool()].abs().max() < 1e-4
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(cached_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
+    steps = [([1, 2, k % 3], [7], float(k)) for k in range(10)]
+    cfg = msgrpo.Config(minibatch=5, micro_batch=2)
+    plan = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
+    assert [len(mb) for mb in plan] == [3, 3]  # two optimizer steps of 5 steps, micro-batches 2 + 2 + 1
+    flat = [step for mb in plan for micro in mb for step in micro]
+    assert sorted(a for _, _, a in flat) == [float(k) for k in range(10)]
+    for mb in plan:
+        prompts = [step[0] for micro in mb for step in micro]
+        assert prompts == sorted(prompts)  # identical prompts adjacent, so a micro-batch reads them once
+
+
+def test_the_stop_criterion_is_built_once_per_tokenizer(tiny):
+    """transformers builds a stop-string criterion by scanning the whole vocabulary: once, not per step."""
+    cfg, model, tokenizer = tiny
+    msgrpo.action_end_criterion.cache_clear()
+    prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
+    for _ in range(3):
+        msgrpo.sample_responses(model, tokenizer, [prompt, prompt], 4, 1.0)
+    assert msgrpo.action_end_criterion.cache_info().misses == 1
+
+
+def test_prefix_caching_samples_what_the_full_prompts_sample(tiny):
+    """Same seed, with and without the shared prefix: the same replies and log-probs."""
+    cfg, model, tokenizer = tiny
+    prompts = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
+    runs = []
+    for share in (False, True):
+        torch.manual_seed(5)
+        runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, share_prefix=share))
+    (full_ids, full_logp), (cached_ids, cached_logp) = runs
+    assert full_ids == cached_ids
+    for full_row, cached_row in zip(full_logp, cached_logp):
+        np.testing.assert_allclose(cached_row, full_row, atol=1e-4)
+
+
 def test_sampled_length_keeps_the_end_token_once_and_stops_at_action_end(tiny):
     _, model, tokenizer = tiny
     end = tokenizer.eos_token_id
@@ -267,9 +355,7 @@ def _without_timing(rows):
 
 
 def test_two_iterations_leave_a_complete_run_folder(tmp_path):
-    start = time.time()
     run = msgrpo.main(TINY_RUN + ["--iterations", "2", "--run-dir", str(tmp_path / "run")])
-    assert time.time() - start < 60
     for name in ["config.json", "metrics.jsonl", "eval.json", "checkpoint.pt", "curves.png",
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"]:
         assert (run / name).exists(), name
@@ -295,6 +381,24 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
     resumed = msgrpo.main(["--resume", str(stopped), "--iterations", "3"])
     assert resumed == stopped
     assert _without_timing(msgrpo.read_metrics(resumed)) == _without_timing(msgrpo.read_metrics(straight))
+
+
+def test_flags_given_with_resume_are_used_and_saved(tmp_path):
+    """--resume D --lr X trains on at X (the optimizer's saved state carries the old rate) and
+    config.json says so, so the next plain --resume D keeps it."""
+    stopped = msgrpo.main(TINY_RUN + ["--iterations", "1", "--lr", "1e-3", "--run-dir", str(tmp_path / "b")])
+    seen = []
+    original = msgrpo.train_iteration
+
+    def spy(model, optimizer, *args):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return original(model, optimizer, *args)
+
+    with mock.patch.object(msgrpo, "train_iteration", spy):
+        msgrpo.main(["--resume", str(stopped), "--iterations", "2", "--lr", "5e-5"])
+    assert seen == [5e-5]
+    saved = msgrpo.load_json(stopped / "config.json")
+    assert (saved["lr"], saved["iterations"]) == (5e-5, 2)
 
 
 def test_bad_cli_input_fails_clearly(capsys):
@@ -405,3 +509,114 @@ def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
     text = msgrpo.eval_table([snake])
     assert "| apples (95% CI) |" in text.splitlines()[0]
     assert text.splitlines()[-1].endswith("| 1.500 (1.000 to 2.000) | 0.500 |")
+
+
+# --- the map-reading probe -----------------------------------------------------------------------
+
+PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right") for kind in ("hole", "ice", "ratio")}
+
+
+def test_probe_states_are_every_open_cell_of_training_maps_as_the_game_shows_them():
+    options = {"max_steps": 7, "invalid_penalty": -0.1}
+    seeds = range(900_000, 900_003)
+    states = envs.probe_states(len(seeds), seeds[0], **options)
+    assert all(seed < envs.HELDOUT_SEED_START for seed in seeds)
+    for seed in seeds:
+        game = envs.make("frozen_lake", **options)
+        start_text, info = game.reset(seed=seed)
+        map_rows, start = tuple(info["map"]), info["position"]
+        open_cells = [(r, c) for r, row in enumerate(map_rows) for c, tile in enumerate(row) if tile not in "HG"]
+        by_cell = {cell: obs for rows, cell, obs in states if rows == map_rows}
+        assert sorted(by_cell) == open_cells
+        assert by_cell[start] == start_text  # the text reset() itself shows
+        # A cell one firm step from the start: the text the game shows after that step, counter aside.
+        move = next(a for a in range(4) if envs.walks_onto(map_rows, start, a) == "ice")
+        stepped_text = game.step(move)[0]
+        assert stepped_text == by_cell[game.position].replace("Steps left: 7.", "Steps left: 6.")
+    with pytest.raises(ValueError, match="training seeds"):
+        envs.probe_states(2, envs.HELDOUT_SEED_START - 1)
+
+
+def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto(monkeypatch):
+    map_rows = ("SFF", "HFH", "FFG")
+    # cell: (P(down), P(right)); what down / right walk onto in the comment
+    table = {(0, 0): (0.2, 0.6),  # hole / ice
+             (0, 1): (0.8, 0.2),  # ice / ice
+             (0, 2): (0.2, 0.5),  # hole / edge
+             (1, 1): (0.8, 0.1),  # ice / hole
+             (2, 0): (0.9, 0.4),  # edge / ice
+             (2, 1): (0.9, 0.9)}  # edge / goal
+    states = [(map_rows, cell, f"observation {i}") for i, cell in enumerate(table)]
+    probabilities = np.array([[0.0, down, right, 0.0] for down, right in table.values()])
+
+    def fake_move_probabilities(model, tokenizer, cfg, observations):
+        assert observations == [obs for _, _, obs in states]
+        return probabilities
+
+    monkeypatch.setattr(msgrpo, "move_probabilities", fake_move_probabilities)
+    result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
+    assert set(result) == PROBE_KEYS
+    assert result["probe_down_hole"] == pytest.approx(0.2) and result["probe_down_ice"] == pytest.approx(0.8)
+    assert result["probe_down_ratio"] == pytest.approx(0.25)
+    assert result["probe_right_hole"] == pytest.approx(0.1) and result["probe_right_ice"] == pytest.approx(0.4)
+    assert result["probe_right_ratio"] == pytest.approx(0.25)
+    probabilities = probabilities[[1]]  # down walks onto ice only: no hole to compare with
+    states = states[1:2]
+    result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
+    assert math.isnan(result["probe_down_hole"]) and math.isnan(result["probe_down_ratio"])
+
+
+def test_the_probe_applies_to_frozen_lake_with_the_prefilled_action_only():
+    assert msgrpo.probe_applies(msgrpo.Config())
+    for cfg in [msgrpo.Config(env="snake"), msgrpo.Config(think=True), msgrpo.Config(prefill=False),
+                msgrpo.Config(probe_every=0)]:
+        assert not msgrpo.probe_applies(cfg)
+    assert [i for i in range(1, 12) if msgrpo.probe_due(msgrpo.Config(probe_every=5), i)] == [1, 5, 10]
+
+
+@pytest.fixture(scope="module")
+def probe_runs(tmp_path_factory):
+    """Two tiny runs from the same seed, one probed every iteration and one never."""
+    runs = {}
+    for probe_every in (1, 0):
+        cfg = msgrpo.resolve_defaults(msgrpo.Config(
+            model="tiny", iterations=2, groups=2, group_size=4, env_options={"max_steps": 4}, eval_episodes=0,
+            probe_every=probe_every, run_dir=str(tmp_path_factory.mktemp("probe") / f"every-{probe_every}")))
+        runs[probe_every] = msgrpo.read_metrics(msgrpo.train(cfg))
+    return runs
+
+
+def test_a_probed_run_logs_the_probe_in_every_metrics_line(probe_runs):
+    metrics = probe_runs[1]
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert PROBE_KEYS <= set(m)
+        assert all(math.isfinite(m[key]) and m[key] >= 0 for key in PROBE_KEYS)
+        assert m["probe_down_ratio"] == pytest.approx(m["probe_down_hole"] / m["probe_down_ice"])
+    assert not any(PROBE_KEYS & set(m) for m in probe_runs[0])
+    assert "hole/ice P(down)" in msgrpo.progress_line(metrics[0])
+
+
+def test_the_probe_does_not_move_the_training_random_numbers(probe_runs):
+    probed, unprobed = ([{k: v for k, v in m.items() if k not in PROBE_KEYS} for m in _without_timing(rows)]
+                        for rows in (probe_runs[1], probe_runs[0]))
+    assert probed == unprobed
+
+
+def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
+    import matplotlib.image
+
+    line = {"iteration": 1, "success_rate": 0.1, "mean_return": 0.1, "invalid_rate": 0.2, "distinct_responses": 0.5,
+            "entropy": 1.0, "zero_variance_groups": 1}
+    probe = {"probe_down_hole": 0.5, "probe_down_ice": 0.5, "probe_down_ratio": 1.0,
+             "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25}
+    widths = {}
+    for name, rows in [("probed", [{**line, **probe}, {**line, "iteration": 2}, {**line, **probe, "iteration": 3,
+                                                                                  "probe_down_ratio": math.nan}]),
+                       ("snake", [line, {**line, "iteration": 2}])]:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        msgrpo.plot_curves(run)
+        widths[name] = matplotlib.image.imread(run / "curves.png").shape[1]
+    assert widths["probed"] > widths["snake"]  # a fourth panel, on a wider figure
