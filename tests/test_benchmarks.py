@@ -80,7 +80,9 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
     assert [(r["algo"], r["seed"], r["iterations"]) for r in rows] == [("msgrpo", 0, 1)]
     metrics = msgrpo.read_metrics(kept)
-    assert rows[0]["env_steps"] == round(metrics[0]["mean_steps"] * 16)  # the defaults' 2 groups x 8 episodes
+    config = json.loads((kept / "config.json").read_text())
+    episodes = config["groups"] * config["group_size"]
+    assert rows[0]["env_steps"] == round(metrics[0]["mean_steps"] * episodes)
 
     run_files = sorted((tmp_path / "runs" / "msgrpo-s0").rglob("*"))
     before = {p: p.stat().st_mtime_ns for p in run_files if p.is_file()}
