@@ -199,28 +199,10 @@ def prompt_ids(tokenizer, cfg, state, wording):
 # ---- Scoring: first-token move probabilities on held-out states ---------------------------------
 
 
-def move_first_tokens(tokenizer):
-    """Per move, the first token ids of "move" and " move": either starts a reply naming it."""
-    return [sorted({tokenizer.encode(word, add_special_tokens=False)[0] for word in (move, " " + move)})
-            for move in envs.FROZEN_LAKE_ACTIONS]
-
-
-def move_probabilities(model, tokenizer, cfg, states, wording, batch=16):
+def move_probabilities(model, tokenizer, cfg, states, wording):
     """[len(states), 4]: P(the reply's first token names each move), one forward per state."""
-    first_tokens = move_first_tokens(tokenizer)
-    device = next(model.parameters()).device
-    model.eval()
-    rows = []
-    for start in range(0, len(states), batch):
-        prompts = [prompt_ids(tokenizer, cfg, state, wording) for state in states[start:start + batch]]
-        ids, mask = msgrpo.left_pad(prompts, tokenizer.pad_token_id)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as in training: padding does not shift a row
-        with torch.no_grad(), msgrpo.packed_4bit_weights(model):
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                           position_ids=positions.to(device), logits_to_keep=1).logits
-        probs = logits[:, -1].float().softmax(-1).cpu()
-        rows += [[probs[row, tokens].sum().item() for tokens in first_tokens] for row in range(len(prompts))]
-    return np.array(rows)
+    observations = [WORDINGS[wording](s.map_rows, s.position, s.steps_left) for s in states]
+    return msgrpo.move_probabilities(model, tokenizer, cfg, observations)
 
 
 def score(model, tokenizer, cfg, states, wording):
@@ -247,7 +229,7 @@ def target_ids(tokenizer, label):
 
 def check_targets_start_with_the_move(tokenizer):
     """Training raises the target's first token and scoring reads the move tokens: they must agree."""
-    first_tokens = move_first_tokens(tokenizer)
+    first_tokens = msgrpo.move_token_ids(tokenizer)
     for label in ("down", "right"):
         if target_ids(tokenizer, label)[0] not in first_tokens[envs.FROZEN_LAKE_ACTIONS.index(label)]:
             raise ValueError(f"{label}</action> does not start with a token that scoring counts as {label}")
