@@ -1,6 +1,6 @@
 """The text games: Frozen Lake, Snake and Snake Poison Apple, and the one evaluation harness.
 
-Each game is a text-mediated stochastic game (SPEC section 3). The agent sees the state only
+Each game is a text-mediated stochastic game: the agent sees the state only
 through the observation text (`observation()`, the renderer) and acts only through text
 (`parse_action`, the parser). Both follow Gymnasium's API:
 

@@ -68,7 +68,7 @@ class Config:
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
     think: bool = False  # ask for <think>...</think> before the action
-    prefill: bool = True  # end the prompt with "<action>" when not thinking (SPEC section 3)
+    prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
     invalid_penalty: float = -0.1
     # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as
@@ -350,6 +350,35 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
+def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
+    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
+
+    Every LAP prompt starts with the same system prompt, rules and action list (about 90 of
+    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps.
+    """
+    if len(sequences) < 2:
+        return 0
+    first, limit = sequences[0], min(len(s) for s in sequences) - keep
+    length = 0
+    while length < limit and all(s[length] == first[length] for s in sequences):
+        length += 1
+    return length
+
+
+def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
+    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each row.
+
+    Attention lets a token see the earlier tokens only through their keys and values, so a prefix
+    all rows share can be run once and its keys and values handed to every row: the same numbers as
+    running it in each row, at a fraction of the cost. Under autograd the repeat sums the rows'
+    gradients back into the one prefix pass, so training gets exactly the full pass's gradients.
+    """
+    device = next(model.parameters()).device
+    cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
+    cache.batch_repeat_interleave(rows)
+    return cache
+
+
 def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
     """How many tokens the policy really sampled: up to an end token or the end of </action>.
 
@@ -522,21 +551,6 @@ class StepBatch:
         return int(self.response_mask.sum(1)[self.step_rows].sum())
 
 
-def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
-    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
-
-    Every LAP prompt starts with the same system prompt, rules and action list (about 90 of
-    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps.
-    """
-    if len(sequences) < 2:
-        return 0
-    first, limit = sequences[0], min(len(s) for s in sequences) - keep
-    length = 0
-    while length < limit and all(s[length] == first[length] for s in sequences):
-        length += 1
-    return length
-
-
 def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
                   read_once: bool = False) -> StepBatch:
     """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids.
@@ -618,20 +632,6 @@ def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
     diff = logp_ref - logp_new
     mask = mask.to(diff.dtype)
     return ((diff.exp() - diff - 1) * mask).sum() / mask.sum().clamp(min=1)
-
-
-def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
-    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each row.
-
-    Attention lets a token see the earlier tokens only through their keys and values, so a prefix
-    all rows share can be run once and its keys and values handed to every row: the same numbers as
-    running it in each row, at a fraction of the cost. Under autograd the repeat sums the rows'
-    gradients back into the one prefix pass, so training gets exactly the full pass's gradients.
-    """
-    device = next(model.parameters()).device
-    cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
-    cache.batch_repeat_interleave(rows)
-    return cache
 
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
@@ -738,8 +738,8 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
 
 
 def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
-    """One iteration (SPEC section 4, steps 1-7; --algo poad | ntpo: section 10 replaces advantages,
-    sampling and update); returns its metrics."""
+    """One iteration: rollouts, returns, advantages, sampling, update (--algo poad | ntpo: section 10
+    replaces advantages, sampling and update); returns its metrics."""
     start = time.time()
     seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
     episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)

@@ -132,7 +132,7 @@ def test_broadcast_puts_each_steps_advantage_on_its_response_tokens_only():
     steps = [
         ([5, 6, 7, 8, 9], [11, 12, 2], 0.7),  # response ends with the end token (== pad id)
         ([5, 6], [13], -1.5),
-        ([0, 0, 5], [0, 14], 0.0),  # id 0 is a real token too (LESSONS 3)
+        ([0, 0, 5], [0, 14], 0.0),  # id 0 is a real token too: masks come from lengths, not ids
     ]
     batch = msgrpo.collate_steps(steps, pad)
     token_advantages = batch.token_advantages()
@@ -300,7 +300,7 @@ def test_prefix_caching_samples_what_the_full_prompts_sample(tiny):
 def test_sampled_length_keeps_the_end_token_once_and_stops_at_action_end(tiny):
     _, model, tokenizer = tiny
     end = tokenizer.eos_token_id
-    assert end == tokenizer.pad_token_id  # SmolLM2: the case LESSONS 3 warns about
+    assert end == tokenizer.pad_token_id  # SmolLM2: pad == end token, so a mask built from the pad id would drop real end tokens
     ends = msgrpo.end_token_ids(model, tokenizer)
     word = tokenizer("right", add_special_tokens=False).input_ids
     close = tokenizer("</action>", add_special_tokens=False).input_ids
