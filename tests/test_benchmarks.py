@@ -184,3 +184,17 @@ def test_bench_cpu_times_plain_and_once_side_by_side(tmp_path):
                     "(b) trained step, once", "(a) speed-up", "(b) speed-up"]:
         assert f"| {measure}" in table, measure
     assert int(table.split(" tokens, ")[1].split(" shared")[0]) > 50  # the system prompt, rules and action list
+
+
+def test_gpu_check_runs_one_iteration_of_a_qwen_shaped_model_and_writes_its_table(tmp_path):
+    import gpu_check
+
+    out = tmp_path / "gpu.md"
+    rows = gpu_check.main(["--layers", "1", "--groups", "1", "--group-size", "2", "--max-steps", "1",
+                           "--eval-batch", "2", "--out", str(out)])
+    table = out.read_text()
+    for phase in ["load", "rollout", "update", "evaluation"]:
+        assert f"| {phase} |" in table, phase
+        assert rows[phase]["seconds"] > 0 and rows[phase]["peak_gib"] > 0
+    assert "(1 steps, " in rows["update"]["rate"]  # half of 1 group x 2 episodes, of 1 step each
+    assert rows["prompt_tokens"] > 100  # the real Frozen Lake prompt, not a stub
