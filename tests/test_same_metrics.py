@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines
 import msgrpo
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "tiny_run_metrics.json"
@@ -29,7 +30,7 @@ def train_msgrpo(run_dir):
 
 
 def train_poad(run_dir):
-    return msgrpo.main(RUN + ["--algo", "poad", "--run-dir", str(run_dir)])
+    return baselines.main(["poad"] + RUN + ["--run-dir", str(run_dir)])
 
 
 def metrics_of(run_dir) -> list[dict]:
