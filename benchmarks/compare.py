@@ -71,7 +71,8 @@ def compare_agents(args):
 
     agents.append(("dqn", dqn, ""))
     base_model = baselines.lap_config(args.llm_model).model
-    agents.append((f"{base_model} zero-shot", cached(lambda: baselines.LLMAgent(args.llm_model)), llm_unavailable(base_model)))
+    agents.append((f"{base_model} zero-shot", cached(lambda: baselines.LLMAgent(args.llm_model)),
+                   llm_unavailable(base_model)))
     adapters = dict(args.adapter or [])
     if not adapters and "adapter" not in args.skip_defaults:
         name, path = DEFAULT_ADAPTER
