@@ -518,9 +518,10 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
     episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
     rollout_seconds = time.time() - start
     start = time.time()
-    trained = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0,  # when nothing trained
-               **update(model, optimizer, tokenizer, episodes, cfg, rng)}
+    trained = update(model, optimizer, tokenizer, episodes, cfg, rng)
     update_seconds = time.time() - start
+    counts = {key: trained.pop(key) for key in ("episodes_trained", "steps_trained", "tokens_trained")}
+    losses = {key: trained.pop(key, 0.0) for key in ("loss", "clip_frac", "kl")}  # 0: nothing trained
     returns = episode_returns([ep.rewards for ep in episodes])
     all_texts = [t for ep in episodes for t in ep.texts]
     sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
@@ -530,12 +531,13 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
         "mean_steps": len(all_texts) / len(episodes),
         "zero_variance_groups": zero_variance_groups(returns, [ep.group for ep in episodes]),
+        **counts,
         "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
         "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per-token, Monte-Carlo
-        **trained,
+        **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),  # the update's own stats in between
         "rollout_seconds": rollout_seconds,
         "update_seconds": update_seconds,
-        "train_tokens_per_second": trained["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0,
+        "train_tokens_per_second": counts["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0,
     }
 
 def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:

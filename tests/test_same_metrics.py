@@ -50,7 +50,7 @@ def tiny_run_metrics(folder: Path) -> dict:
 
 def assert_same(got, want, where=""):
     if isinstance(want, dict):
-        assert set(got) == set(want), where
+        assert list(got) == list(want), where  # the same keys, in the same order
         for key in want:
             assert_same(got[key], want[key], f"{where}.{key}")
     elif isinstance(want, list):
