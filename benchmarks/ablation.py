@@ -4,9 +4,9 @@
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --think --out results/algo_comparison_think
 
-Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` into
-runs/ablation/<value>-s<seed> (equal iterations, so equal episodes; the table counts their
-steps), then plays the trained adapter on held-out maps, greedy and sampled at the training
+Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` (algo poad or ntpo:
+`python baselines.py <value> --seed <seed>`) into runs/ablation/<value>-s<seed> (equal iterations,
+so equal episodes; the table counts their steps), then plays the trained adapter on held-out maps, greedy and sampled at the training
 temperature. A run already trained is only evaluated again; an interrupted one resumes. Writes
 <out>/ablation.md (the table) and <out>/ablation.json, and copies each run's config.json,
 metrics.jsonl and eval.json (not the adapter) to <out>/<value>-s<seed>/.
@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import baselines  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 
@@ -30,17 +31,29 @@ def trained(run_dir: Path, iterations: int) -> bool:
     return (run_dir / "adapter").exists() and len(msgrpo.read_metrics(run_dir)) >= iterations
 
 
+def config_and_trainer(setting: str, value: str, **settings):
+    """msgrpo.py's Config and train, or for algo poad / ntpo baselines.py's (the critic's settings)."""
+    if setting == "algo" and value != "msgrpo":
+        return baselines.POADConfig(algo=value, **settings), baselines.train_poad
+    return msgrpo.Config(**({} if setting == "algo" else {setting: value}), **settings), msgrpo.train
+
+
+def algo_of(saved: dict) -> str:
+    return saved.get("algo", "msgrpo")  # only baselines.py's runs record one
+
+
 def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
     run_dir = runs / f"{value}{'-think' if args.think else ''}-s{seed}"
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(**{setting: value}, seed=seed, eval_episodes=0, model=args.model,
-                                                iterations=args.iterations, think=args.think, run_dir=str(run_dir)))
+    cfg, train = config_and_trainer(setting, value, seed=seed, eval_episodes=0, model=args.model,
+                                     iterations=args.iterations, think=args.think, run_dir=str(run_dir))
+    cfg = msgrpo.resolve_defaults(cfg)
     if not trained(run_dir, cfg.iterations):
-        msgrpo.train(cfg, resume=(run_dir / "checkpoint.pt").exists())
+        train(cfg, resume=(run_dir / "checkpoint.pt").exists())
     return run_dir
 
 
 def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> dict:
-    cfg = msgrpo.Config(**msgrpo.load_json(run_dir / "config.json"))
+    cfg = msgrpo.load_config(run_dir)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run_dir / "adapter")
     greedy_cfg = dataclasses.replace(cfg, eval_episodes=greedy_episodes)
     result = msgrpo.evaluate_greedy_and_sampled(model, tokenizer, greedy_cfg, sampled_episodes)
@@ -49,7 +62,8 @@ def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> 
 
 
 def summary(run_dir: Path, setting: str) -> dict:
-    cfg = dataclasses.asdict(msgrpo.Config(**msgrpo.load_json(run_dir / "config.json")))
+    saved = msgrpo.load_json(run_dir / "config.json")
+    cfg = {**dataclasses.asdict(msgrpo.load_config(run_dir)), "algo": algo_of(saved)}
     metrics = msgrpo.read_metrics(run_dir)
     final = msgrpo.load_json(run_dir / "eval.json")[-1]
     return {setting: cfg[setting], "seed": cfg["seed"], "think": cfg["think"], "iterations": len(metrics),

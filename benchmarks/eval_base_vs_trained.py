@@ -24,7 +24,7 @@ def main(argv=None):
     parser.add_argument("--sampled", action="store_true",
                         help="also play both at the training temperature (stored under 'sampled', as train() does)")
     args = parser.parse_args(argv)
-    cfg = msgrpo.Config(**msgrpo.load_json(args.run_dir / "config.json"))
+    cfg = msgrpo.load_config(args.run_dir)
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.run_dir / "adapter")
     iteration = msgrpo.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration

@@ -1,4 +1,5 @@
-"""Zero-shot language-model agents (local and behind a chat server) and the comparison table.
+"""Zero-shot language-model agents (local and behind a chat server) and the comparison table
+(benchmarks/compare.py).
 
 The chat-server agent is tested against a real OpenAI-compatible server (`transformers serve` on
 the bundled SmolLM2) for a full evaluation, and against a small local HTTP server that misbehaves
@@ -23,6 +24,9 @@ import torch
 import baselines
 import envs
 import msgrpo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import compare  # noqa: E402
 
 # --- local models --------------------------------------------------------------------------------
 
@@ -227,7 +231,7 @@ def test_compare_writes_both_files_and_reports_what_it_skipped(tmp_path, tiny_ad
     baselines.main(["--env", "frozen_lake", "--agent", "dqn", "--train-steps", "200", "--episodes", "1",
                     "--runs", str(runs)])
     adapter, _ = tiny_adapter
-    report = baselines.main(["--compare", "--episodes", "3", "--games", "frozen_lake,snake", "--runs", str(runs),
+    report = compare.main(["--episodes", "3", "--games", "frozen_lake,snake", "--runs", str(runs),
                              "--out", str(out), "--llm-model", "tiny", "--adapter", f"trained={adapter}",
                              "--adapter", "ghost=/nowhere/adapter"])
     assert set(report["results"]) == {"random", "optimal", "dqn", "tiny zero-shot", "trained"}
@@ -244,7 +248,7 @@ def test_compare_writes_both_files_and_reports_what_it_skipped(tmp_path, tiny_ad
 
 
 def test_compare_can_be_cut_down_to_a_few_agents(tmp_path):
-    report = baselines.main(["--compare", "--episodes", "2", "--agents", "random,optimal", "--games",
+    report = compare.main(["--episodes", "2", "--agents", "random,optimal", "--games",
                              "frozen_lake_slippery", "--out", str(tmp_path)])
     assert set(report["results"]) == {"random", "optimal"}
     assert report["games"]["frozen_lake_slippery"]["optimum"] == pytest.approx(0.8167, abs=1e-4)
@@ -252,19 +256,26 @@ def test_compare_can_be_cut_down_to_a_few_agents(tmp_path):
 
 def test_compare_again_updates_its_cells_and_keeps_the_others(tmp_path):
     """Slow rows and fast rows can come from separate commands into one table (same seeds)."""
-    first = baselines.main(["--compare", "--episodes", "2", "--agents", "random", "--games", "frozen_lake",
-                            "--out", str(tmp_path)])
-    second = baselines.main(["--compare", "--episodes", "2", "--agents", "optimal", "--games", "frozen_lake,snake",
-                             "--out", str(tmp_path)])
+    first = compare.main(["--episodes", "2", "--agents", "random", "--games", "frozen_lake",
+                          "--out", str(tmp_path)])
+    second = compare.main(["--episodes", "2", "--agents", "optimal", "--games", "frozen_lake,snake",
+                           "--out", str(tmp_path)])
     assert second["results"]["random"] == first["results"]["random"]
     assert set(second["results"]["optimal"]) == {"frozen_lake", "snake"}
     assert set(second["games"]) == {"frozen_lake", "snake"}
-    other_seeds = baselines.main(["--compare", "--episodes", "3", "--agents", "optimal", "--games", "snake",
-                                  "--out", str(tmp_path)])
-    assert set(other_seeds["results"]) == {"optimal"}  # different seeds: a fresh table
+    other_seeds = ["--episodes", "3", "--agents", "optimal", "--games", "snake", "--out", str(tmp_path)]
+    saved = (tmp_path / "comparison.json").read_text()
+    with pytest.raises(SystemExit, match="3 result cells .* --replace"):
+        compare.main(other_seeds)  # different seeds: a fresh table of 1 cell would replace 3
+    assert (tmp_path / "comparison.json").read_text() == saved
+    assert set(compare.main(other_seeds + ["--replace"])["results"]) == {"optimal"}
 
 
-def test_compare_rejects_an_unknown_game(capsys):
-    with pytest.raises(SystemExit):
-        baselines.main(["--compare", "--games", "chess"])
-    assert "chess" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, named", [(["--games", "chess"], "chess"),
+                                         (["--agents", "random,alphazero"], "alphazero")])
+def test_compare_rejects_an_unknown_game_or_agent_in_one_line_naming_the_valid_ones(argv, named, tmp_path):
+    result = subprocess.run([sys.executable, str(Path(compare.__file__)), *argv, "--out", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and not list(tmp_path.iterdir())
+    [line] = result.stderr.strip().splitlines()  # one line, no traceback
+    assert named in line and ("snake_poison_apple" in line if named == "chess" else "optimal, dqn" in line)

@@ -101,7 +101,7 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
 
 def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch):
     trained_configs = []
-    monkeypatch.setattr(ablation.msgrpo, "train", lambda cfg, resume: trained_configs.append(cfg))
+    monkeypatch.setattr(ablation.baselines, "train_poad", lambda cfg, resume: trained_configs.append(cfg))
     args = argparse.Namespace(model="tiny", iterations=1, think=True)
     run_dir = ablation.train_run("algo", "poad", 3, tmp_path, args)
     assert run_dir == tmp_path / "poad-think-s3"

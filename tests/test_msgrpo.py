@@ -431,7 +431,7 @@ def test_committed_adapter_reproduces_its_held_out_success():
     from peft import PeftModel
 
     run = Path(__file__).resolve().parent.parent / "results" / "frozen_lake_cpu"
-    cfg = dataclasses.replace(msgrpo.Config(**msgrpo.load_json(run / "config.json")), eval_episodes=64)
+    cfg = dataclasses.replace(msgrpo.load_config(run), eval_episodes=64)
     trained = msgrpo.load_json(run / "eval.json")[-1]
     assert trained["iteration"] > 0 and trained["episodes"] >= 200
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run / "adapter")

@@ -1,0 +1,78 @@
+"""The same seed gives the same training metrics as the recorded runs (tiny model, CPU).
+
+tests/data/tiny_run_metrics.json holds the metrics.jsonl lines of a 2-iteration MS-GRPO run and a
+2-iteration POAD run, timing fields left out. Any change meant to keep behaviour (moving code,
+renaming, compacting) must leave them as they are. The tiny model's replies are all invalid, so
+MS-GRPO's groups carry no signal and its run checks rollouts, the probe and the random streams;
+POAD's critic gives nonzero advantages, so its run also checks the policy update. Re-record only for a change that is meant to
+alter training: python tests/test_same_metrics.py --record
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import baselines
+import msgrpo
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "tiny_run_metrics.json"
+RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "2", "--iterations", "2",
+       "--env-opt", "max_steps=4", "--eval-episodes", "0", "--probe-every", "1", "--seed", "0"]
+TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
+
+
+def train_msgrpo(run_dir):
+    return msgrpo.main(RUN + ["--run-dir", str(run_dir)])
+
+
+def train_poad(run_dir):
+    return baselines.main(["poad"] + RUN + ["--run-dir", str(run_dir)])
+
+
+def metrics_of(run_dir) -> list[dict]:
+    return [{k: v for k, v in m.items() if k not in TIMING} for m in msgrpo.read_metrics(run_dir)]
+
+
+def tiny_run_metrics(folder: Path) -> dict:
+    # One thread: a matmul's sum order, and so its last bits, can depend on the thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"msgrpo": metrics_of(train_msgrpo(folder / "msgrpo")),
+                "poad": metrics_of(train_poad(folder / "poad"))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_same(got, want, where=""):
+    if isinstance(want, dict):
+        assert list(got) == list(want), where  # the same keys, in the same order
+        for key in want:
+            assert_same(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert isinstance(got, (int, float)), where
+        assert (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), \
+            f"{where}: {got} != {want}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the recorded numbers are the CPU's")
+def test_the_same_seed_gives_the_recorded_msgrpo_and_poad_metrics(tmp_path):
+    assert_same(tiny_run_metrics(tmp_path), json.loads(FIXTURE.read_text()))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        FIXTURE.write_text(json.dumps(tiny_run_metrics(Path(folder)), indent=1) + "\n")
+    print(f"wrote {FIXTURE}")
