@@ -83,6 +83,7 @@ class Config:
     gradient_checkpointing: bool = False  # on by default on CUDA (config_from_args)
     eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200
+    eval_batch: int = 0  # episodes in lockstep when evaluating; 0 = 64 on the CPU, 32 on CUDA (fits 12 GB)
     probe_every: int = 5  # iterations between map-reading probes (Frozen Lake, section 10); 0 = off
     seed: int = 0
     run_dir: str = ""  # "" = runs/<env>-<time>
@@ -96,6 +97,7 @@ def resolve_defaults(cfg: Config) -> Config:
                                iterations=cfg.iterations or (100 if cuda else 12),
                                max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
                                micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
+                               eval_batch=cfg.eval_batch or (32 if cuda else 64),
                                run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 def env_options(cfg: Config) -> dict:
@@ -135,13 +137,21 @@ def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
+def compute_dtype(device: str) -> torch.dtype:
+    """bf16 activations on CUDA (half the memory of fp32, and faster); fp32 on the CPU, where it is faster."""
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
 def load_policy(cfg: Config, adapter: str | Path | None = None):
-    """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+    """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk.
+
+    The base's other weights (embedding, norms) stay in the compute dtype, so activations and the
+    KV cache do too; peft's prepare_model_for_kbit_training would cast them to fp32, doubling both.
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype(device)
     path = model_path(cfg.model)  # a hub id, a folder, or a bundled model (appendix)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"  # batched generation appends to the right end of every row
@@ -149,13 +159,11 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
                                       bnb_4bit_compute_dtype=dtype) if cfg.quantize else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quantization,
                                                  device_map={"": device})
-    if cfg.quantize:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-        if device == "cpu":
-            keep_4bit_weights_differentiable(model)  # appendix
-    elif cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
+    model.requires_grad_(False)  # the base is frozen: only LoRA weights train
+    if cfg.quantize and device == "cpu":
+        keep_4bit_weights_differentiable(model)  # appendix
+    if cfg.gradient_checkpointing:  # non-reentrant: the reentrant form needs inputs that require grad
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     else:
@@ -164,6 +172,16 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
         model = get_peft_model(model, lora)
     # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
     return model, tokenizer
+
+def describe_run(cfg: Config, model) -> str:
+    """The start-of-run line: where it runs, on what, in which precision (no silent CPU fallback)."""
+    device = next(model.parameters()).device.type
+    where = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
+    if device == "cpu" and cfg.model == CPU_MODEL:
+        where += f" (no CUDA in this torch: the CPU model, not {GPU_MODEL})"
+    base = "NF4 4-bit" if cfg.quantize else str(compute_dtype(device)).removeprefix("torch.")
+    return (f"device {where}, model {cfg.model}, compute {str(compute_dtype(device)).removeprefix('torch.')}, "
+            f"base {base} + LoRA r {cfg.lora_r}")
 
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
@@ -222,13 +240,15 @@ def action_end_criterion(tokenizer):
     return StopStringCriteria(tokenizer, [ACTION_END])
 
 @torch.no_grad()
-def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float, share_prefix: bool = True) -> tuple[list[list[int]], list[list[float]]]:
+def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     share_prefix: bool = True, with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
     """One batched generate over all prompts; returns the sampled ids and their log-probs.
 
     Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever
     generation_config says), so the loss recomputes log-probs of the distribution the tokens came from.
     temperature 0 means greedy; share_prefix=False skips prefix_cache (the same numbers, slower).
+    with_logprobs=False asks generate for no scores (rows x tokens x vocabulary: gigabytes when
+    thinking) and returns empty log-prob lists: evaluation needs only the text.
     """
     model.eval()
     device = next(model.parameters()).device
@@ -245,17 +265,23 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
             max_new_tokens=max_new_tokens, repetition_penalty=1.0,
             **(sampling if temperature > 0 else dict(do_sample=False)),
             stopping_criteria=[action_end_criterion(tokenizer)], pad_token_id=tokenizer.pad_token_id,
-            output_scores=True, return_dict_in_generate=True,
+            output_scores=with_logprobs, return_dict_in_generate=True,
         )
-    new_tokens = out.sequences[:, input_ids.shape[1]:].cpu()
-    scores = torch.stack(out.scores, dim=1).float().cpu()  # processed logits: already divided by T
-    logprobs = scores.log_softmax(-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+    new_tokens = out.sequences[:, input_ids.shape[1]:]
+    steps = list(out.scores or [])  # processed logits, already divided by T; one step at a time, so
+    del out  # no step's full-vocabulary tensor outlives its chosen tokens' log-probs
+    logprobs = torch.zeros(new_tokens.shape)
+    for t in range(len(steps)):
+        step = steps[t].float().log_softmax(-1)
+        logprobs[:, t] = step.gather(-1, new_tokens[:, t, None]).squeeze(-1).cpu()
+        steps[t] = None
+    new_tokens = new_tokens.cpu()
     end_ids = end_token_ids(model, tokenizer)
     responses, response_logprobs = [], []
     for row in range(len(prompts)):
         n = sampled_length(new_tokens[row].tolist(), end_ids, tokenizer)
         responses.append(new_tokens[row, :n].tolist())
-        response_logprobs.append(logprobs[row, :n].tolist())
+        response_logprobs.append(logprobs[row, :n].tolist() if with_logprobs else [])
     return responses, response_logprobs
 
 @dataclass
@@ -554,6 +580,7 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
+    print(describe_run(cfg, model))
     extra = extra_modules(model) if extra_modules else {}
     for name, module in extra.items():
         setattr(model, name, module)  # a submodule now: model.parameters() includes it
@@ -631,7 +658,8 @@ class LAPAgent:
 
     def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
         prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
-        responses, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens, self.temperature)
+        responses, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens,
+                                        self.temperature, with_logprobs=False)
         return [response_text(self.tokenizer, r, self.cfg) for r in responses]
 
     def act(self, observation: str, info: dict) -> str:
@@ -641,10 +669,10 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
     """Held-out seeds only (envs.heldout_seeds). Sampling here must not move the training RNG."""
     if cfg.eval_episodes <= 0:
         return {}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # CPU and every GPU
         torch.manual_seed(cfg.seed)
-        return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env,
-                             envs.heldout_seeds(cfg.eval_episodes), progress=True, **env_options(cfg))
+        return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env, envs.heldout_seeds(cfg.eval_episodes),
+                             batch_size=cfg.eval_batch or 64, progress=True, **env_options(cfg))
 
 def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
     """Greedy, and under "sampled" at cfg.temperature (sampled_episodes 0: as many as greedy)."""
@@ -879,6 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
         ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
         ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
+        ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: lower it "
+                            "if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, for a 12 GB card)"),
         ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)"),
     ]:
         p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")

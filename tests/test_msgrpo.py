@@ -471,6 +471,8 @@ def test_gradients_are_the_same_before_and_after_sampling():
         torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the packed layout is a CPU layout; on CUDA the model's "
+                                                         "layers are not on the CPU and nothing is swapped")
 def test_generation_swaps_the_packed_layout_in_and_out(tiny):
     """Rollouts may use bitsandbytes' packed CPU layout; training must get the original tensors back."""
     import bitsandbytes as bnb

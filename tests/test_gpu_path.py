@@ -1,0 +1,101 @@
+"""The CUDA default's choices, shown on the CPU: compute precision, the evaluation batch, scores only
+where used, non-reentrant checkpointing, random state on every device, the start-of-run line."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import envs
+import msgrpo
+
+
+def tiny_config(**overrides):
+    return msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused", **overrides))
+
+
+def test_activations_run_in_bf16_on_cuda_and_fp32_on_the_cpu():
+    assert msgrpo.compute_dtype("cuda") is torch.bfloat16
+    assert msgrpo.compute_dtype("cpu") is torch.float32
+
+
+def test_the_base_stays_in_the_compute_dtype_while_lora_weights_stay_fp32(monkeypatch):
+    """peft's prepare_model_for_kbit_training would upcast the embedding and norms to fp32, and the
+    residual stream with them; here only the LoRA weights are fp32 and the activations stay bf16."""
+    monkeypatch.setattr(msgrpo, "compute_dtype", lambda device: torch.bfloat16)  # as on CUDA
+    model, tokenizer = msgrpo.load_policy(tiny_config(quantize=False))
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name and p.dtype == torch.float32 for name, p in trainable.items())
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    ids = torch.tensor([tokenizer("You are at (row 0, col 0).").input_ids])
+    out = model(input_ids=ids, output_hidden_states=True)
+    assert all(h.dtype == torch.bfloat16 for h in out.hidden_states)
+    out.logits.float().logsumexp(-1).sum().backward()
+    # lora_B starts at zero, so only it has a gradient on the first step (lora_A's goes through B)
+    assert all(p.grad.abs().sum() > 0 for name, p in trainable.items() if "lora_B" in name)
+
+
+def test_gradient_checkpointing_is_non_reentrant_and_lora_still_learns():
+    model, tokenizer = msgrpo.load_policy(tiny_config(gradient_checkpointing=True))
+    functions = [m._gradient_checkpointing_func for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    assert functions and all(f.keywords == {"use_reentrant": False} for f in functions)
+    model.train()
+    ids = torch.tensor([tokenizer("You are at (row 0, col 0).").input_ids])
+    model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+    lora = [p for name, p in model.named_parameters() if "lora_B" in name]  # lora_A's gradient goes through B = 0
+    assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+def test_the_evaluation_batch_is_a_setting_sized_per_device(monkeypatch):
+    assert tiny_config().eval_batch == 64
+    assert tiny_config(eval_batch=5).eval_batch == 5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tiny_config().eval_batch == 32
+
+    seen = {}
+
+    def fake_evaluate(agent, env_name, seeds, batch_size, progress, **options):
+        seen.update(batch_size=batch_size, episodes=len(seeds))
+        return {}
+
+    monkeypatch.setattr(envs, "evaluate", fake_evaluate)
+    msgrpo.evaluate_policy(None, None, dataclasses.replace(tiny_config(), eval_batch=7, eval_episodes=20))
+    assert seen == {"batch_size": 7, "episodes": 20}
+
+
+def test_evaluation_asks_for_no_scores_and_rollouts_get_their_log_probs():
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    calls = []
+    generate = model.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["output_scores"])
+        return generate(*args, **kwargs)
+
+    model.generate = spy
+    agent = msgrpo.LAPAgent(model, tokenizer, cfg, greedy=False)
+    assert len(agent.act_batch(["You are at (row 0, col 0).", "You are at (row 1, col 2)."], [{}, {}])) == 2
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)]
+    responses, logprobs = msgrpo.sample_responses(model, tokenizer, prompts, 4, 1.0)
+    assert calls == [False, True]
+    assert len(logprobs[0]) == len(responses[0]) > 0 and all(lp <= 0 for lp in logprobs[0])
+
+
+def test_the_start_of_run_line_names_device_model_precision_and_quantisation():
+    model = torch.nn.Linear(1, 1)
+    line = msgrpo.describe_run(tiny_config(), model)
+    assert line == "device cpu, model tiny, compute float32, base NF4 4-bit + LoRA r 8"
+    line = msgrpo.describe_run(msgrpo.Config(model=msgrpo.CPU_MODEL, quantize=False, lora_r=4), model)
+    assert f"no CUDA in this torch: the CPU model, not {msgrpo.GPU_MODEL}" in line
+    assert line.endswith("base float32 + LoRA r 4")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to compare its random state")
+def test_evaluation_leaves_the_cuda_random_state_where_it_was():
+    cfg = tiny_config(eval_episodes=2, eval_batch=2)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    before = torch.cuda.get_rng_state_all()
+    msgrpo.evaluate_policy(model, tokenizer, cfg, greedy=False)
+    assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))
