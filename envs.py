@@ -231,7 +231,7 @@ def pointless_options_warning(game):
     if not isinstance(game, FrozenLake):
         return ""
     if game.fixed_map:
-        (start_row, start_col), (goal_row, goal_col) = cells_with(game.fixed_map, "S")[0], cells_with(game.fixed_map, "G")[0]
+        (start_row, start_col), (goal_row, goal_col) = (cells_with(game.fixed_map, tile)[0] for tile in "SG")
         distance = abs(goal_row - start_row) + abs(goal_col - start_col)
     else:
         distance = 2 * (game.size - 1)  # random maps start at the top left, the goal at the bottom right

@@ -1520,7 +1520,7 @@ def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False) 
     if resume:
         checkpoint = load_checkpoint(run_dir)
         if checkpoint is None:
-            fail(f"{run_dir} has no checkpoint.pt to resume from")
+            fail(f"{run_dir} has no checkpoint.pt to resume from; start it again with --run-dir {run_dir} --overwrite")
         if cfg.iterations < checkpoint["iteration"]:
             fail(f"--iterations {cfg.iterations} is fewer than the {checkpoint['iteration']} iterations "
                  f"{run_dir} has trained")
