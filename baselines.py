@@ -28,13 +28,15 @@ import copy
 import dataclasses
 import http.client
 import json
+import math
 import os
 import random
+import socket
 import sys
 import threading
 import time
 import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,20 +382,24 @@ class ChatServerAgent:
     """Any OpenAI-compatible chat-completions server as an agent, e.g. a 72B model behind vLLM.
 
     One request per live episode, `concurrency` at a time. A request that times out, fails or
-    returns malformed content is retried `retries` times; then the response is "" - an invalid
-    action, counted by the game like any other, so an episode is never lost to the network.
+    returns malformed content is retried `retries` times, after `backoff` seconds, then twice that
+    and so on; then the response is "" - an invalid action, counted by the game like any other, so
+    an episode is never lost to the network. `timeout` bounds each network operation (connecting,
+    each read); `deadline` bounds the whole reply, every try and wait included, so that a server
+    that sends a byte now and then cannot hold an episode for ever.
     The chat API has no standard way to pre-fill the assistant turn, so the "<action>" prefix
     is not sent; the stop string "</action>" keeps answers short (the parser accepts an
     unclosed tag).
     """
 
     def __init__(self, base_url, model, api_key=None, think=False, max_tokens=32, temperature=0.0,
-                 timeout=60.0, retries=2, backoff=1.0, concurrency=8):
+                 timeout=60.0, retries=2, backoff=1.0, deadline=180.0, concurrency=8):
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.max_tokens, self.temperature = model, max_tokens, temperature
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
         self.cfg = msgrpo.Config(think=think)
         self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
+        self.deadline = deadline
         self.requests = self.failures = 0  # failures: responses given up on (after retries)
         self.errors = collections.Counter()  # what went wrong, every try: "TimeoutError", "HTTP 500"
         self.lock = threading.Lock()  # requests run in threads; they share the counter
@@ -412,16 +418,19 @@ class ChatServerAgent:
         """The reply text, or None when every try failed."""
         body = {"model": self.model, "messages": msgrpo.lap_messages(obs_text, self.cfg),
                 "max_tokens": self.max_tokens, "temperature": self.temperature, "stop": [msgrpo.ACTION_END]}
+        give_up_at = time.monotonic() + self.deadline
         for attempt in range(self.retries + 1):
             try:
-                return self.post(body)
+                return self.post(body, give_up_at)
             except RequestFailed as error:
                 self.record(error)
                 return None  # the server rejected the request itself: asking again will not help
             except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as error:
                 self.record(error)
-                if attempt < self.retries:
-                    time.sleep(self.backoff * 2**attempt)
+                wait = self.backoff * 2**attempt
+                if attempt == self.retries or time.monotonic() + wait >= give_up_at:
+                    break
+                time.sleep(wait)
         return None
 
     def record(self, error):
@@ -432,22 +441,64 @@ class ChatServerAgent:
                       f"{self.retries} retries; further errors are only counted)", file=sys.stderr)
             self.errors[kind] += 1
 
-    def post(self, body):
+    def post(self, body, give_up_at):
+        """One request, answered by the reply's text; raises on any failure.
+
+        A watchdog shuts the socket at `give_up_at` (time.monotonic()): the timeout applies to each
+        read on its own, which a server sending a byte now and then never reaches.
+        """
+        url = urllib.parse.urlsplit(self.url)
+        remaining = give_up_at - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"no reply within the {self.deadline:g} s deadline")
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(url.hostname, url.port, timeout=min(self.timeout, remaining))
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers)
+        cut = threading.Event()
+
+        def cut_off():
+            cut.set()
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)  # wakes a read blocked in another thread
+            except (AttributeError, OSError):
+                pass
+
+        watchdog = None
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                data = json.loads(reply.read())
-        except urllib.error.HTTPError as error:
-            if 400 <= error.code < 500 and error.code not in (408, 429):  # 408, 429: try again later
-                raise RequestFailed(f"HTTP {error.code}: {error.read()[:200]!r}") from error
+            connection.connect()  # before the watchdog starts, so that it has a socket to shut
+            watchdog = threading.Timer(max(0.0, give_up_at - time.monotonic()), cut_off)
+            watchdog.start()
+            path = url.path + (f"?{url.query}" if url.query else "")
+            connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
+            reply = connection.getresponse()
+            payload = reply.read()
+        except (OSError, http.client.HTTPException):
+            if cut.is_set():
+                raise TimeoutError(f"no complete reply within the {self.deadline:g} s deadline") from None
             raise
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            connection.close()
+        if cut.is_set():
+            raise TimeoutError(f"no complete reply within the {self.deadline:g} s deadline")
+        if reply.status >= 400:
+            if reply.status < 500 and reply.status not in (408, 429):  # 408, 429: try again later
+                raise RequestFailed(f"HTTP {reply.status}: {payload[:200]!r}")
+            raise urllib.error.HTTPError(self.url, reply.status, reply.reason, reply.headers, None)
+        data = json.loads(payload)
         content = data["choices"][0]["message"]["content"]
         if not isinstance(content, str):
             raise TypeError(f"message content is {type(content).__name__}, not text")
         return content
+
+    def summary(self):
+        """One line for the terminal: how many replies were given up on, and why."""
+        causes = ", ".join(f"{kind} {count}" for kind, count in self.errors.most_common())
+        return (f"server requests: {self.failures} of {self.requests} failed (counted as invalid actions)"
+                + (f"; errors over all tries: {causes}" if causes else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,6 +709,13 @@ def train_poad(cfg: POADConfig, resume: bool = False) -> Path:
     return msgrpo.train(cfg, resume=resume, update=poad_update, extra_modules=value_head_beside)
 
 
+POAD_RANGES = {  # checked with msgrpo.SETTING_RANGES before the model loads
+    "gamma": (lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "gae_lambda": (lambda v: 0 <= v <= 1, "from 0 to 1"),
+    "vf_coef": (lambda v: v >= 0, "at least 0"),
+}
+
+
 def train_poad_main(algo: str, argv: list[str]) -> Path:
     """python baselines.py poad|ntpo [msgrpo.py's flags] [--gamma G] [--gae-lambda L] [--vf-coef C]"""
     parser = msgrpo.build_parser()
@@ -667,7 +725,7 @@ def train_poad_main(algo: str, argv: list[str]) -> Path:
         parser.add_argument(f"--{name}", type=float, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     args = parser.parse_args(argv)
     args.algo = algo
-    cfg, resume = msgrpo.config_from_args(args, POADConfig)
+    cfg, resume = msgrpo.config_from_args(args, POADConfig, msgrpo.SETTING_RANGES | POAD_RANGES)
     return train_poad(cfg, resume=resume)
 
 
@@ -706,10 +764,12 @@ def summary_row(agent_name, result):
 
 
 def env_options_from(args):
-    """Only the options given on the command line, so each game keeps its own defaults."""
+    """Only the options given on the command line, so each game keeps its own defaults.
+    --env-opt KEY=VALUE is typed by the game (envs.option_from_text); ValueError if it is not one."""
     options = {"size": args.size, "map": args.map, "max_steps": args.max_steps, "apples": args.apples,
                "bananas": args.bananas, "slippery": args.slippery or None, "opponent": args.opponent or None}
-    return {name: value for name, value in options.items() if value is not None}
+    given = {name: value for name, value in options.items() if value is not None}
+    return {**given, **envs.options_from_text(args.env, args.env_opt or [])}
 
 
 def name_equals_path(text):
@@ -735,6 +795,8 @@ def build_parser():
     game.add_argument("--apples", type=int, help="Snake: apples on the board")
     game.add_argument("--bananas", type=int, help="Snake Poison Apple: bananas on the board")
     game.add_argument("--opponent", action="store_true", help="Snake: add a random opponent snake")
+    game.add_argument("--env-opt", action="append", type=msgrpo.parse_env_option, metavar="KEY=VALUE",
+                      help="any game option, as msgrpo.py takes it: slippery=false, hole_penalty=-1 ...")
     dqn = parser.add_argument_group("DQN")
     dqn.add_argument("--train-steps", type=int, help="train for this many environment steps (else load)")
     dqn.add_argument("--runs", default="runs", help="where DQN weights are saved and looked for")
@@ -748,6 +810,11 @@ def build_parser():
     llm.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
     llm.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
     llm.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
+    llm.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
+    llm.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
+    llm.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
+    llm.add_argument("--deadline", type=float, default=180.0,
+                     help="server: seconds for a whole reply, all tries included; then it counts as invalid")
     return parser
 
 
@@ -760,11 +827,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be at least 1")
-    options = env_options_from(args)
+    check_server_flags(args, parser)
     try:
-        envs.make(args.env, **options)  # a bad option fails here, with the valid ones listed
+        options = env_options_from(args)
+        game = envs.make(args.env, **options)  # a bad option fails here, with the valid ones listed
     except ValueError as error:
         parser.error(str(error))
+    if warning := envs.pointless_options_warning(game):
+        print(f"{args.env}: {warning}", file=sys.stderr)
     if args.agent == "server" and not (args.base_url and args.model):
         parser.error("--agent server needs --base-url and --model")
 
@@ -777,10 +847,27 @@ def main(argv=None):
     settings = ", ".join(f"{k}={v}" for k, v in result["env_options"].items())
     print(f"\n{args.env} ({settings}); held-out seeds {seeds[0]}..{seeds[-1]}")
     print(format_table([summary_row(args.agent, result)]))
+    if isinstance(agent, ChatServerAgent):
+        print(agent.summary())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def check_server_flags(args, parser):
+    for flag, value, lowest, strict in [("--concurrency", args.concurrency, 1, False),
+                                        ("--max-tokens", args.max_tokens, 1, False),
+                                        ("--timeout", args.timeout, 0, True), ("--retries", args.retries, 0, False),
+                                        ("--backoff", args.backoff, 0, False), ("--deadline", args.deadline, 0, True)]:
+        if not math.isfinite(value) or value < lowest or (strict and value == lowest):
+            parser.error(f"{flag} must be {'above' if strict else 'at least'} {lowest}, got {value}")
+
+
+def server_agent(args):
+    return ChatServerAgent(args.base_url, args.model, max_tokens=args.max_tokens, timeout=args.timeout,
+                           retries=args.retries, backoff=args.backoff, deadline=args.deadline,
+                           concurrency=args.concurrency)
 
 
 def make_agent(args, options, parser):
@@ -790,9 +877,11 @@ def make_agent(args, options, parser):
         return OptimalAgent()
     if args.agent == "llm":
         adapter = args.adapter[-1][1] if args.adapter else None
+        if adapter is not None and not Path(adapter, "adapter_config.json").exists():
+            parser.error(f"no LoRA adapter at {adapter} (it has no adapter_config.json)")
         return LLMAgent(args.llm_model, adapter=adapter)
     if args.agent == "server":
-        return ChatServerAgent(args.base_url, args.model, max_tokens=args.max_tokens, concurrency=args.concurrency)
+        return server_agent(args)
     run_dir = Path(args.dqn_dir) if args.dqn_dir else dqn_run_dir(args.env, options, args.runs)
     if args.train_steps is not None:
         cfg = DQNConfig(env=args.env, env_options=options, train_steps=args.train_steps, seed=args.seed)

@@ -36,9 +36,8 @@ def heldout_seeds(n):
 
 THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)", re.IGNORECASE | re.DOTALL)  # unclosed: to the end
 CLOSE_THINK = re.compile(r"</think>", re.IGNORECASE)
-ACTION_TAG = re.compile(r"<\s*action\s*>(.*?)<\s*/\s*action\s*>", re.IGNORECASE | re.DOTALL)
-OPEN_ACTION_TAG = re.compile(r"<\s*action\s*>", re.IGNORECASE)
-ANY_ACTION_TAG = re.compile(r"<\s*/?\s*action\s*>", re.IGNORECASE)
+# "(?:/\s*)?" rather than "/?\s*": two adjacent \s* would make "<" and a long run of spaces quadratic.
+ANY_ACTION_TAG = re.compile(r"<\s*(?:/\s*)?action\s*>", re.IGNORECASE)
 WORD = re.compile(r"[^\W\d_]+")  # a run of letters, in any alphabet
 LONE_WORD = re.compile(r"[\W_]*([^\W\d_]+)[\W_]*")  # one word, maybe wrapped in spaces/punctuation
 
@@ -57,6 +56,25 @@ def action_named_in(text, actions):
     return named.pop() if len(named) == 1 else None
 
 
+def action_tags(text):
+    """(contents of the last complete <action>...</action> tag, text after the last opening tag),
+    each None if there is none.
+
+    One pass over the tags, in linear time: a reply has no length limit, and a regex search for
+    complete tags restarts at every unclosed one. Tags pair up as that search pairs them: an
+    opening tag inside an open one is content, a closing tag outside one is ignored.
+    """
+    complete = opened = last_opening = None
+    for tag in ANY_ACTION_TAG.finditer(text):
+        if "/" not in tag.group():
+            last_opening = tag.end()
+            if opened is None:
+                opened = tag.end()
+        elif opened is not None:
+            complete, opened = text[opened:tag.start()], None
+    return complete, None if last_opening is None else text[last_opening:]
+
+
 def parse_action(text, actions):
     """Response text -> index into `actions`, or None when the response names no single move.
 
@@ -69,12 +87,11 @@ def parse_action(text, actions):
     if not isinstance(text, str):
         return None
     text = strip_thinking(text)
-    tags = ACTION_TAG.findall(text)
-    if tags:
-        return action_named_in(tags[-1], actions)
-    pieces = OPEN_ACTION_TAG.split(text)
-    if len(pieces) > 1:
-        return action_named_in(pieces[-1].strip().split("\n")[0], actions)
+    complete, after_last_opening = action_tags(text)
+    if complete is not None:
+        return action_named_in(complete, actions)
+    if after_last_opening is not None:
+        return action_named_in(after_last_opening.strip().split("\n")[0], actions)
     lone = LONE_WORD.fullmatch(ANY_ACTION_TAG.sub(" ", text))  # "right</action>" is still right
     return action_named_in(lone.group(1), actions) if lone else None
 
@@ -106,7 +123,7 @@ class TextGame:
                              f"valid options: {', '.join(sorted(self.defaults))}")
         self.options = {**self.defaults, **options}
         self.max_steps = positive_int("max_steps", self.options["max_steps"])
-        self.invalid_penalty = float(self.options["invalid_penalty"])
+        self.invalid_penalty = finite_float("invalid_penalty", self.options["invalid_penalty"])
         self.steps = 0
         self.done = True  # no episode until reset()
 
@@ -153,6 +170,75 @@ def positive_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"option {name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def finite_float(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(value):
+        raise ValueError(f"option {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def boolean(name, value):
+    """True or False only: bool("False") is True, so a string here is a mistake, not a setting."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"option {name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+# ---- Options written as text (command lines), typed by the game's own defaults ----
+
+BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True,
+                 "false": False, "off": False, "no": False, "0": False}
+
+
+def option_from_text(env_name, key, text):
+    """One game option from its text, typed by the option's default: a boolean from BOOLEAN_WORDS,
+    an int, a finite float, or Frozen Lake's map ("classic", "random", or rows "SFF,FHF,FFG").
+    Raises ValueError naming the option and what it accepts. Ranges are checked by the game."""
+    game = GAMES.get(env_name)
+    if game is None:
+        raise ValueError(f"unknown env {env_name!r}; valid envs: {', '.join(ENV_NAMES)}")
+    if key not in game.defaults:
+        raise ValueError(f"{env_name} has no option {key!r}; valid options: {', '.join(sorted(game.defaults))}")
+    default, word = game.defaults[key], text.strip().lower()
+    if isinstance(default, bool):
+        if word not in BOOLEAN_WORDS:
+            raise ValueError(f"option {key} must be a boolean ({', '.join(BOOLEAN_WORDS)}), got {text!r}")
+        return BOOLEAN_WORDS[word]
+    if key == "map":
+        if word in ("classic", "random", "none"):
+            return {"classic": "classic"}.get(word)
+        return [row.strip() for row in text.strip(" []").replace('"', "").replace("'", "").split(",")]
+    try:
+        value = int(word) if isinstance(default, int) else float(word)
+    except ValueError:
+        raise ValueError(f"option {key} must be {'an int' if isinstance(default, int) else 'a number'}, "
+                         f"got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"option {key} must be a finite number, got {text!r}")
+    return value
+
+
+def options_from_text(env_name, pairs):
+    """[(key, text), ...] -> {key: typed value}; the last of a repeated key wins."""
+    return {key: option_from_text(env_name, key, text) for key, text in pairs}
+
+
+def pointless_options_warning(game):
+    """A message when legal options make every episode fail, else "": a Frozen Lake goal more moves
+    away than max_steps (size=100 with the default 16 steps) cannot be reached, so nothing is learned."""
+    if not isinstance(game, FrozenLake):
+        return ""
+    if game.fixed_map:
+        (start_row, start_col), (goal_row, goal_col) = (cells_with(game.fixed_map, tile)[0] for tile in "SG")
+        distance = abs(goal_row - start_row) + abs(goal_col - start_col)
+    else:
+        distance = 2 * (game.size - 1)  # random maps start at the top left, the goal at the bottom right
+    if distance <= game.max_steps:
+        return ""
+    return (f"warning: the goal is {distance} moves from the start but max_steps is {game.max_steps}: "
+            f"no episode can reach it")
 
 
 # ---- Frozen Lake: Gymnasium's FrozenLake-v1 dynamics, written out ----
@@ -275,8 +361,8 @@ class FrozenLake(TextGame):
         super().__init__(**options)
         self.size = positive_int("size", self.options["size"], minimum=2)  # ignored for a given map
         self.fixed_map = resolve_map(self.options["map"])
-        self.slippery = bool(self.options["slippery"])
-        self.hole_penalty = float(self.options["hole_penalty"])  # Gymnasium's 0 unless set
+        self.slippery = boolean("slippery", self.options["slippery"])
+        self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])  # Gymnasium's 0 unless set
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
@@ -386,8 +472,8 @@ class Snake(TextGame):
         self.size = positive_int("size", self.options["size"], minimum=5)  # room for two snakes
         self.apple_count = positive_int("apples", self.options["apples"], minimum=0)
         self.banana_count = positive_int("bananas", self.options.get("bananas", 0), minimum=0)
-        self.step_reward = float(self.options["step_reward"])
-        self.has_opponent = bool(self.options["opponent"])
+        self.step_reward = finite_float("step_reward", self.options["step_reward"])
+        self.has_opponent = boolean("opponent", self.options["opponent"])
         hazards = ("a wall, your own body or the other snake" if self.has_opponent
                    else "a wall or your own body")
         self.rules = (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"

@@ -579,8 +579,13 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
         raise SystemExit(f"{run_dir} has no checkpoint to resume from")
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if checkpoint else None)
+    older = checkpoint is not None and "lora" not in checkpoint  # saved before checkpoints held the weights
+    if older and not (run_dir / "adapter" / "adapter_config.json").exists():
+        raise SystemExit(f"{run_dir / 'adapter'} is missing, and this run's checkpoint.pt holds no weights")
+    model, tokenizer = load_policy(cfg, adapter=run_dir / "adapter" if older else None)
     print(describe_run(cfg, model))
+    if checkpoint and not older:
+        load_lora_weights(model, checkpoint, run_dir)
     extra = extra_modules(model) if extra_modules else {}
     for name, module in extra.items():
         setattr(model, name, module)  # a submodule now: model.parameters() includes it
@@ -594,19 +599,31 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
             group["lr"] = cfg.lr
         rng.bit_generator.state = checkpoint["numpy_rng"]
         torch.set_rng_state(checkpoint["torch_rng"])
+        if "cuda_rng" in checkpoint and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
         first = checkpoint["iteration"] + 1
         truncate_metrics(run_dir, checkpoint["iteration"])
         save_json(run_dir / "config.json", dataclasses.asdict(cfg))  # flags given with --resume are kept
+        save_adapter(run_dir, model)  # a save cut short after checkpoint.pt may have left the older adapter
         print(f"resuming {run_dir} after iteration {checkpoint['iteration']}")
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for path in [run_dir / name for name in RUN_FILES]:  # a run started over keeps nothing of the one before
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
         (run_dir / "metrics.jsonl").write_text("")
         save_json(run_dir / "config.json", dataclasses.asdict(cfg))
-        record_eval(run_dir, 0, evaluate_policy(model, tokenizer, cfg))
+        save_iteration(run_dir, model, optimizer, rng, 0, extra=extra)  # a run stopped in its first evaluation resumes
 
     probe_states = envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **env_options(cfg)) if probe_applies(cfg) else []
     last_saved = first - 1
     try:
+        # The evaluation due at the checkpoint's iteration, if the process died before it was recorded.
+        due = first == 1 or (cfg.eval_every and (first - 1) % cfg.eval_every == 0 and first - 1 != cfg.iterations)
+        if due and not any(e["iteration"] == first - 1 for e in load_json(run_dir / "eval.json", [])):
+            record_eval(run_dir, first - 1, evaluate_policy(model, tokenizer, cfg))
         for iteration in tqdm(range(first, cfg.iterations + 1), desc="iterations",
                               initial=first - 1, total=cfg.iterations):
             start = time.time()
@@ -615,26 +632,25 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
                 # that plays this iteration (at iteration 1, the untrained one).
                 probe = map_reading_probe(model, tokenizer, cfg, probe_states) if probe_due(cfg, iteration) else {}
                 metrics = train_iteration(model, optimizer, tokenizer, cfg, rng, update)
+                metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
+                save_iteration(run_dir, model, optimizer, rng, iteration, metrics, extra)
             except FloatingPointError as error:
                 raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
                                  f"{last_saved} is in {run_dir}; try a lower --lr.")
             except torch.cuda.OutOfMemoryError:
                 raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
                                  "--group-size / --max-new-tokens (rollouts).")
-            metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
-            save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
-            append_metrics(run_dir, metrics)
             last_saved = iteration
             tqdm.write(progress_line(metrics))
             if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration != cfg.iterations:
                 record_eval(run_dir, iteration, evaluate_policy(model, tokenizer, cfg))
+        evals = load_json(run_dir / "eval.json", [])
+        if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
+            record_eval(run_dir, cfg.iterations, evaluate_greedy_and_sampled(model, tokenizer, cfg))
     except KeyboardInterrupt:
         print(f"\nInterrupted. Iterations up to {last_saved} are saved in {run_dir}; continue with "
               f"the same command and --resume {run_dir}")
         raise SystemExit(130)
-    evals = load_json(run_dir / "eval.json", [])
-    if cfg.eval_episodes and (not evals or evals[-1]["iteration"] != cfg.iterations):
-        record_eval(run_dir, cfg.iterations, evaluate_greedy_and_sampled(model, tokenizer, cfg))
     plot_curves(run_dir)
     if evals := load_json(run_dir / "eval.json", []):
         print(eval_table(evals))
@@ -753,7 +769,52 @@ def save_json(path: Path, data) -> None:
     tmp.replace(path)
 
 def load_json(path: Path, default=None):
-    return json.loads(path.read_text()) if path.exists() else default
+    if not path.exists():
+        return default
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of text, for a message that names the file it came from."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# A run folder holds these; a new run refuses to start in a folder that has any of them.
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
+
+
+def lora_weights(model) -> dict:
+    """The LoRA tensors by name: the policy's trained weights (train's extra modules are not in it)."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad and "lora_" in name}
+
+
+def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                   metrics: dict | None = None, extra: dict | None = None) -> None:
+    """Save one iteration wholly or not at all, whenever the process dies.
+
+    checkpoint.pt decides, and is replaced in one atomic step. It holds the LoRA weights itself, so
+    a resume never pairs them with another iteration's optimizer or random state; the metrics line
+    goes first and a resume drops lines past the checkpoint; adapter/ is written last and a resume
+    rewrites it from the checkpoint.
+    """
+    if not all(torch.isfinite(w).all() for w in lora_weights(model).values()):
+        raise FloatingPointError("the update made the LoRA weights non-finite; they are not saved")
+    if metrics is not None:
+        append_metrics(run_dir, metrics)
+    save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
+    save_adapter(run_dir, model)
+
+
+def save_adapter(run_dir: Path, model) -> None:
+    """adapter/ in peft's format, loadable with PeftModel.from_pretrained."""
+    # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
+    # every 4-bit base weight just to throw it away.
+    weights = lora_weights(model)
+    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
 
 def load_config(run_dir: Path, config_class=Config) -> Config:
     """A run's config.json. Settings config_class has no field for are left out: a run of another
@@ -763,38 +824,73 @@ def load_config(run_dir: Path, config_class=Config) -> Config:
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                     extra: dict | None = None) -> None:
-    """Adapter (peft format, loadable with PeftModel.from_pretrained) plus what resuming needs:
-    the optimizer, both random streams, and train's extra modules."""
-    extra = extra or {}
-    # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
-    # every 4-bit base weight just to throw it away.
-    lora_weights = {name: p.detach() for name, p in model.named_parameters()
-                    if p.requires_grad and name.split(".")[0] not in extra}
-    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=lora_weights))
-    state = {"iteration": iteration, "optimizer": optimizer.state_dict(),
-             "numpy_rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(),
-             **{name: module.state_dict() for name, module in extra.items()}}
+    """Everything resuming needs: LoRA weights, optimizer, the random streams (CUDA's too) and train's
+    extra modules. Written to a temporary file first, so an interrupted write leaves the previous one."""
+    state = {"iteration": iteration, "lora": {name: w.cpu() for name, w in lora_weights(model).items()},
+             "optimizer": optimizer.state_dict(), "numpy_rng": rng.bit_generator.state,
+             "torch_rng": torch.get_rng_state(),
+             **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
+             **{name: module.state_dict() for name, module in (extra or {}).items()}}
     torch.save(state, run_dir / "checkpoint.pt.tmp")
-    (run_dir / "checkpoint.pt.tmp").replace(run_dir / "checkpoint.pt")
+    os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
 
 def load_checkpoint(run_dir: Path) -> dict | None:
-    path = run_dir / "checkpoint.pt"
-    return torch.load(path, weights_only=False) if path.exists() else None
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.exists():
+        return None
+    try:
+        checkpoint = torch.load(path, weights_only=False)
+        if not isinstance(checkpoint, dict) or not {"iteration", "optimizer"} <= checkpoint.keys():
+            raise ValueError("not a msgrpo checkpoint")
+    except Exception as error:  # torch.load raises many kinds on a damaged file
+        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
+    return checkpoint
+
+
+def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
+    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match its config)."""
+    saved, params = checkpoint["lora"], dict(model.named_parameters())
+    wrong = [name for name, w in saved.items() if name not in params or params[name].shape != w.shape]
+    if wrong or len(saved) != len(lora_weights(model)):
+        raise SystemExit(f"{run_dir / 'checkpoint.pt'} does not fit this model's LoRA layers "
+                         f"(was --model or --lora-r changed?)")
+    with torch.no_grad():
+        for name, w in saved.items():
+            params[name].copy_(w)
 
 def append_metrics(run_dir: Path, metrics: dict) -> None:
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(metrics) + "\n")
+    """Rewrite the file with the line added, via a temporary file: never a half-written line."""
+    path = run_dir / "metrics.jsonl"
+    save_text(path, (path.read_text() if path.exists() else "") + json.dumps(metrics) + "\n")
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+                if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
+                    raise ValueError("a line without an iteration")
+            except ValueError as error:
+                raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
+    return rows
 
 def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
     kept = [m for m in read_metrics(run_dir) if m["iteration"] <= last_iteration]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in kept))
+    save_text(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
     evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
     save_json(run_dir / "eval.json", evals)
+
+
+def save_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 
 def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     if not result:
@@ -872,15 +968,12 @@ def plot_map_reading(ax, probed: list[dict]) -> None:
 
 # 12. CLI -----------------------------------------------------------------------------------------
 
-def parse_env_option(text: str) -> tuple[str, object]:
-    """KEY=VALUE with VALUE read as JSON when it parses (4, true, 0.5), else as a string."""
+def parse_env_option(text: str) -> tuple[str, str]:
+    """KEY=VALUE, split only: the game types VALUE (envs.option_from_text) once --env is known."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     key, value = text.split("=", 1)
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
+    return key.strip(), value
 
 def build_parser() -> argparse.ArgumentParser:
     # Defaults are suppressed so we know which flags were given: they override a resumed config.
@@ -921,23 +1014,101 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="trade compute for memory (default on with CUDA)")
     p.add_argument("--run-dir", help="where the run is written (default runs/<env>-<time>)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run; flags given override its config")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run; flags given override its config "
+                                                       "(--env-opt adds to its game options)")
+    p.add_argument("--overwrite", action="store_true", help="start a new run in a --run-dir that holds one, "
+                                                            "deleting it")
     return p
 
-def config_from_args(args: argparse.Namespace, config_class=Config) -> tuple[Config, bool]:
+def config_from_args(args: argparse.Namespace, config_class=Config, ranges=None) -> tuple[Config, bool]:
+    """The run's Config from the command line (or a resumed run's config.json with the flags given),
+    checked by validate_config against `ranges` (default SETTING_RANGES) before any model loads."""
     given = vars(args).copy()
     resume_dir = given.pop("resume", None)
-    if "env_options" in given:
-        given["env_options"] = dict(given["env_options"])
+    overwrite = given.pop("overwrite", False)
+    option_texts = given.pop("env_options", [])
     if resume_dir:
+        if overwrite or given.get("run_dir", resume_dir) != resume_dir:
+            raise SystemExit("error: --resume continues the run it names; it takes no --overwrite or other --run-dir")
         if not (Path(resume_dir) / "config.json").exists():
             raise SystemExit(f"{resume_dir}/config.json not found: nothing to resume")
-        return dataclasses.replace(load_config(resume_dir, config_class), **given, run_dir=resume_dir), True
-    cfg = config_class(**given)
-    if "gradient_checkpointing" not in given and torch.cuda.is_available():
-        cfg = dataclasses.replace(cfg, gradient_checkpointing=True)
-    envs.make(cfg.env, **env_options(cfg))  # fail now, with the list of valid options, not after loading
-    return resolve_defaults(cfg), False
+        try:
+            base = load_config(resume_dir, config_class)
+        except (TypeError, AttributeError) as error:
+            raise SystemExit(f"{resume_dir}/config.json is unreadable: {one_line(error)}")
+        given["run_dir"] = resume_dir
+    else:
+        base = config_class()
+        if "gradient_checkpointing" not in given and torch.cuda.is_available():
+            given["gradient_checkpointing"] = True
+    try:
+        # Added to the saved options: --resume D --env-opt slippery=true keeps D's max_steps.
+        options = {**base.env_options, **envs.options_from_text(given.get("env", base.env), option_texts)}
+        cfg = resolve_defaults(dataclasses.replace(base, **given, env_options=options))
+    except ValueError as error:
+        raise SystemExit(f"error: --env-opt: {error}")
+    validate_config(cfg, resume=bool(resume_dir), overwrite=overwrite, ranges=ranges or SETTING_RANGES)
+    return cfg, bool(resume_dir)
+
+
+# What each setting must be: a setting outside its range fails late (after the model loads), or runs
+# and learns nothing. (test, what the message says it must be)
+SETTING_RANGES = {
+    "lora_r": (lambda v: v >= 1, "at least 1"),
+    "iterations": (lambda v: v >= 1, "at least 1 (0: this machine's default)"),
+    "groups": (lambda v: v >= 1, "at least 1"),
+    "group_size": (lambda v: v >= 2, "at least 2: an episode is judged against its group, so a group of one "
+                                     "never learns"),
+    "temperature": (lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
+    "max_new_tokens": (lambda v: v >= 1, "at least 1"),
+    "sample_frac": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
+    "epochs": (lambda v: v >= 1, "at least 1"),
+    "minibatch": (lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
+    "micro_batch": (lambda v: v >= 1, "at least 1"),
+    "lr": (lambda v: v > 0, "above 0"),
+    "grad_clip": (lambda v: v > 0, "above 0"),
+    "beta": (lambda v: v >= 0, "at least 0"),
+    "eps_clip": (lambda v: v > 0, "above 0"),
+    "eval_batch": (lambda v: v >= 1, "at least 1"),
+    "eval_every": (lambda v: v >= 0, "at least 0"),
+    "eval_episodes": (lambda v: v >= 0, "at least 0"),
+    "probe_every": (lambda v: v >= 0, "at least 0"),
+}
+
+
+def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False, ranges=None) -> None:
+    """Stop with a one-line message, before any model loads, on settings that would fail later or
+    run without learning, on a run folder that a new run would destroy, and on damaged run files."""
+    def fail(message):
+        raise SystemExit(f"error: {message}")
+
+    for name, value in dataclasses.asdict(cfg).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{flag} is {value}; it must be a finite number")
+        allowed, what = (ranges or SETTING_RANGES).get(name, (lambda v: True, ""))
+        if not allowed(value):
+            fail(f"{flag} is {value}; it must be {what}")
+    try:
+        game = envs.make(cfg.env, **env_options(cfg))
+    except ValueError as error:
+        fail(f"--env-opt: {error}")
+    if warning := envs.pointless_options_warning(game):
+        print(f"{cfg.env}: {warning}", file=sys.stderr)
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"--run-dir {run_dir} is a file, not a folder")
+    if resume:
+        checkpoint = load_checkpoint(run_dir)
+        if checkpoint is None:
+            fail(f"{run_dir} has no checkpoint.pt to resume from; start it again with --run-dir {run_dir} --overwrite")
+        if cfg.iterations < checkpoint["iteration"]:
+            fail(f"--iterations {cfg.iterations} is fewer than the {checkpoint['iteration']} iterations "
+                 f"{run_dir} has trained")
+        read_metrics(run_dir)  # a damaged file is named now, not after the model has loaded
+        load_json(run_dir / "eval.json")
+    elif not overwrite and any((run_dir / name).exists() for name in RUN_FILES):
+        fail(f"{run_dir} already holds a run: continue it with --resume {run_dir}, or replace it with --overwrite")
 
 def main(argv: list[str] | None = None) -> Path:
     cfg, resume = config_from_args(build_parser().parse_args(argv))

@@ -81,8 +81,7 @@ def compare_agents(args):
         reason = "" if Path(path, "adapter_config.json").exists() else f"no adapter at {path}"
         agents.append((name, cached(lambda p=path: baselines.LLMAgent(args.llm_model, adapter=p)), reason))
     if args.base_url:
-        agents.append((f"server {args.model}", cached(lambda: baselines.ChatServerAgent(
-            args.base_url, args.model, max_tokens=args.max_tokens, concurrency=args.concurrency)), ""))
+        agents.append((f"server {args.model}", cached(lambda: baselines.server_agent(args)), ""))
     return agents
 
 
@@ -265,6 +264,11 @@ def build_parser():
     parser.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
     parser.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
     parser.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
+    parser.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
+    parser.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
+    parser.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
+    parser.add_argument("--deadline", type=float, default=180.0,
+                        help="server: seconds for a whole reply, all tries included; then it counts as invalid")
     return parser
 
 
@@ -273,6 +277,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.episodes < 1:
         raise SystemExit("compare.py: --episodes must be at least 1")
+    baselines.check_server_flags(args, parser)
     unknown = [g for g in args.games if g not in COMPARE_GAMES]
     if unknown:
         raise SystemExit(f"compare.py: unknown game(s) {', '.join(unknown)}; valid: {', '.join(COMPARE_GAMES)}")

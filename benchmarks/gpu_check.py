@@ -16,7 +16,6 @@ tokens/s per phase (rollout, update, evaluation).
 """
 
 import argparse
-import dataclasses
 import resource
 import sys
 import tempfile

@@ -405,7 +405,7 @@ def test_bad_cli_input_fails_clearly(capsys):
     with pytest.raises(SystemExit):
         msgrpo.main(["--env", "chess"])
     assert "invalid choice" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(SystemExit, match="size"):
         msgrpo.main(["--env", "frozen_lake", "--env-opt", "colour=red"])
     with pytest.raises(SystemExit):
         msgrpo.main(["--env-opt", "no-equals-sign"])

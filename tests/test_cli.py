@@ -1,0 +1,100 @@
+"""Bad command lines stop at once, before any model loads: a one-line message, a non-zero exit, no
+traceback. Damaged run files are named in the message."""
+
+import json
+
+import pytest
+import torch
+
+import baselines
+import msgrpo
+
+
+@pytest.fixture(autouse=True)
+def no_model(monkeypatch):
+    def load_policy(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(msgrpo, "load_policy", load_policy)
+
+
+def stopped(argv):
+    """The message a command line stops with (SystemExit, non-zero, one line)."""
+    with pytest.raises(SystemExit) as stop:
+        msgrpo.main(argv)
+    message = str(stop.value.code).strip()
+    assert stop.value.code not in (0, None) and message and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--iterations", "-1"], "--iterations"), (["--group-size", "1"], "--group-size"),
+    (["--temperature", "-1"], "--temperature"), (["--temperature", "0"], "--temperature"),
+    (["--temperature", "nan"], "--temperature"), (["--groups", "0"], "--groups"), (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--invalid-penalty", "nan"], "--invalid-penalty"),
+    (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--env-opt", "size=abc"], "size"),
+    (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
+    (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
+    (["--env-opt", "map=SFX,FFG"], "map")])
+def test_bad_settings_stop_before_the_model_loads(argv, named, tmp_path):
+    assert named in stopped(argv + ["--run-dir", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    assert "is a file" in stopped(["--run-dir", str(tmp_path / "file")])
+
+
+@pytest.fixture
+def saved_run(tmp_path):
+    """A run folder as training leaves it after 2 iterations (no model needed to read it)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", iterations=2, env_options={"max_steps": 8},
+                                                run_dir=str(run_dir)))
+    msgrpo.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
+    torch.save({"iteration": 2, "optimizer": {}, "lora": {}}, run_dir / "checkpoint.pt")
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
+    msgrpo.save_json(run_dir / "eval.json", [{"iteration": 0}])
+    return run_dir
+
+
+@pytest.mark.parametrize("name, damage", [("checkpoint.pt", b"PK\x03\x04 half a checkpoint"),
+                                          ("config.json", b'{"iterations": 2, '),
+                                          ("metrics.jsonl", b'{"iteration": 1}\n{"iterat'),
+                                          ("eval.json", b"[{")])
+def test_a_damaged_run_file_is_named(saved_run, name, damage):
+    (saved_run / name).write_bytes(damage)
+    message = stopped(["--resume", str(saved_run)])
+    assert str(saved_run / name) in message
+
+
+def test_resume_refuses_fewer_iterations_than_trained_and_a_missing_checkpoint(saved_run):
+    assert "--iterations 1" in stopped(["--resume", str(saved_run), "--iterations", "1"])
+    (saved_run / "checkpoint.pt").unlink()
+    assert "checkpoint.pt" in stopped(["--resume", str(saved_run)])
+    assert "nothing to resume" in stopped(["--resume", str(saved_run / "nowhere")])
+
+
+def test_an_older_checkpoint_without_its_adapter_names_the_folder(saved_run):
+    torch.save({"iteration": 2, "optimizer": {}, "numpy_rng": None, "torch_rng": None}, saved_run / "checkpoint.pt")
+    assert str(saved_run / "adapter") in stopped(["--resume", str(saved_run)])
+
+
+def test_resume_adds_game_options_to_the_saved_ones(saved_run):
+    cfg, resume = msgrpo.config_from_args(msgrpo.build_parser().parse_args(
+        ["--resume", str(saved_run), "--env-opt", "slippery=true"]))
+    assert resume and cfg.env_options == {"max_steps": 8, "slippery": True}
+    assert "size" in stopped(["--resume", str(saved_run), "--env-opt", "size=0"])
+
+
+def test_resume_and_overwrite_do_not_mix(saved_run):
+    assert "--overwrite" in stopped(["--resume", str(saved_run), "--overwrite"])
+    assert json.loads((saved_run / "config.json").read_text())["iterations"] == 2
+
+
+def test_baselines_names_a_missing_adapter_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        baselines.main(["--agent", "llm", "--adapter", str(tmp_path / "nowhere")])
+    assert str(tmp_path / "nowhere") in capsys.readouterr().err
