@@ -597,10 +597,7 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
         optimizer.load_state_dict(checkpoint["optimizer"])
         for group in optimizer.param_groups:  # the saved state carries the old rate; --lr given now wins
             group["lr"] = cfg.lr
-        rng.bit_generator.state = checkpoint["numpy_rng"]
-        torch.set_rng_state(checkpoint["torch_rng"])
-        if "cuda_rng" in checkpoint and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
+        restore_random_state(checkpoint, rng)
         first = checkpoint["iteration"] + 1
         truncate_metrics(run_dir, checkpoint["iteration"])
         save_json(run_dir / "config.json", dataclasses.asdict(cfg))  # flags given with --resume are kept
@@ -833,6 +830,13 @@ def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, i
              **{name: module.state_dict() for name, module in (extra or {}).items()}}
     torch.save(state, run_dir / "checkpoint.pt.tmp")
     os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
+
+def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
+    """Every random stream as it was at the checkpoint, so a resumed run draws what it would have."""
+    rng.bit_generator.state = checkpoint["numpy_rng"]
+    torch.set_rng_state(checkpoint["torch_rng"])
+    if "cuda_rng" in checkpoint and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
 
 def load_checkpoint(run_dir: Path) -> dict | None:
     path = Path(run_dir) / "checkpoint.pt"

@@ -3,6 +3,7 @@ where used, non-reentrant checkpointing, random state on every device, the start
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +100,24 @@ def test_evaluation_leaves_the_cuda_random_state_where_it_was():
     before = torch.cuda.get_rng_state_all()
     msgrpo.evaluate_policy(model, tokenizer, cfg, greedy=False)
     assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))
+
+
+def test_checkpoints_keep_and_restore_the_cuda_random_state_where_cuda_exists(monkeypatch, tmp_path):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    rng = np.random.default_rng(0)
+    msgrpo.save_checkpoint(tmp_path, model, optimizer, rng, 3)
+    assert "cuda_rng" not in msgrpo.load_checkpoint(tmp_path)  # no CUDA: nothing to keep
+
+    cuda_state = [torch.arange(4, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: cuda_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    msgrpo.save_checkpoint(tmp_path, model, optimizer, rng, 4)
+    checkpoint = msgrpo.load_checkpoint(tmp_path)
+    assert torch.equal(checkpoint["cuda_rng"][0], cuda_state[0])
+    rng.random(5)  # move the generator on; restoring brings it back
+    msgrpo.restore_random_state(checkpoint, rng)
+    assert rng.bit_generator.state == np.random.default_rng(0).bit_generator.state
+    assert len(restored) == 1 and torch.equal(restored[0][0], cuda_state[0])
