@@ -1059,7 +1059,7 @@ def config_from_args(args: argparse.Namespace, config_class=Config, ranges=None)
 # and learns nothing. (test, what the message says it must be)
 SETTING_RANGES = {
     "lora_r": (lambda v: v >= 1, "at least 1"),
-    "iterations": (lambda v: v >= 1, "at least 1 (0: this machine's default)"),
+    "iterations": (lambda v: v >= 1, "at least 1 (0: the device's default)"),
     "groups": (lambda v: v >= 1, "at least 1"),
     "group_size": (lambda v: v >= 2, "at least 2: an episode is judged against its group, so a group of one "
                                      "never learns"),
