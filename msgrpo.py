@@ -635,8 +635,8 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
                 raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
                                  f"{last_saved} is in {run_dir}; try a lower --lr.")
             except torch.cuda.OutOfMemoryError:
-                raise SystemExit("Out of GPU memory: lower --micro-batch (update) or --groups / "
-                                 "--group-size / --max-new-tokens (rollouts).")
+                raise SystemExit("Out of GPU memory: lower --micro-batch (update), --groups / --group-size / "
+                                 "--max-new-tokens (rollouts) or --eval-batch (evaluation).")
             last_saved = iteration
             tqdm.write(progress_line(metrics))
             if cfg.eval_every and iteration % cfg.eval_every == 0 and iteration != cfg.iterations:
