@@ -806,15 +806,7 @@ def build_parser():
                                                      "(default: msgrpo's, smollm2-135m on the CPU)")
     llm.add_argument("--adapter", action="append", type=name_equals_path, metavar="[NAME=]PATH",
                      help="a LoRA adapter for --agent llm (the last one given)")
-    llm.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
-    llm.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
-    llm.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
-    llm.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
-    llm.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
-    llm.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
-    llm.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
-    llm.add_argument("--deadline", type=float, default=180.0,
-                     help="server: seconds for a whole reply, all tries included; then it counts as invalid")
+    add_server_flags(llm)
     return parser
 
 
@@ -853,6 +845,19 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def add_server_flags(parser):
+    """The chat server agent's flags; check them with check_server_flags, build it with server_agent."""
+    parser.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    parser.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
+    parser.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
+    parser.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
+    parser.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
+    parser.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
+    parser.add_argument("--deadline", type=float, default=180.0,
+                        help="server: seconds for a whole reply, all tries included; then it counts as invalid")
 
 
 def check_server_flags(args, parser):

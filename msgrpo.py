@@ -179,9 +179,9 @@ def describe_run(cfg: Config, model) -> str:
     where = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
     if device == "cpu" and cfg.model == CPU_MODEL:
         where += f" (no CUDA in this torch: the CPU model, not {GPU_MODEL})"
-    base = "NF4 4-bit" if cfg.quantize else str(compute_dtype(device)).removeprefix("torch.")
-    return (f"device {where}, model {cfg.model}, compute {str(compute_dtype(device)).removeprefix('torch.')}, "
-            f"base {base} + LoRA r {cfg.lora_r}")
+    compute = str(compute_dtype(device)).removeprefix("torch.")
+    base = "NF4 4-bit" if cfg.quantize else compute
+    return f"device {where}, model {cfg.model}, compute {compute}, base {base} + LoRA r {cfg.lora_r}"
 
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
@@ -685,7 +685,7 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
     with torch.random.fork_rng(devices=range(torch.cuda.device_count())):  # CPU and every GPU
         torch.manual_seed(cfg.seed)
         return envs.evaluate(LAPAgent(model, tokenizer, cfg, greedy), cfg.env, envs.heldout_seeds(cfg.eval_episodes),
-                             batch_size=cfg.eval_batch or 64, progress=True, **env_options(cfg))
+                             batch_size=cfg.eval_batch, progress=True, **env_options(cfg))
 
 def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
     """Greedy, and under "sampled" at cfg.temperature (sampled_episodes 0: as many as greedy)."""
@@ -815,9 +815,11 @@ def save_adapter(run_dir: Path, model) -> None:
 
 def load_config(run_dir: Path, config_class=Config) -> Config:
     """A run's config.json. Settings config_class has no field for are left out: a run of another
-    algorithm in this loop (baselines.py) records its own settings too."""
+    algorithm in this loop (baselines.py) records its own settings too. Settings it does not record
+    (added since it ran) get this device's defaults."""
     known = {f.name for f in dataclasses.fields(config_class)}
-    return config_class(**{k: v for k, v in load_json(Path(run_dir) / "config.json").items() if k in known})
+    saved = load_json(Path(run_dir) / "config.json")
+    return resolve_defaults(config_class(**{k: v for k, v in saved.items() if k in known}))
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                     extra: dict | None = None) -> None:
@@ -1038,7 +1040,7 @@ def config_from_args(args: argparse.Namespace, config_class=Config, ranges=None)
             raise SystemExit(f"{resume_dir}/config.json not found: nothing to resume")
         try:
             base = load_config(resume_dir, config_class)
-        except (TypeError, AttributeError) as error:
+        except (TypeError, AttributeError, ValueError) as error:
             raise SystemExit(f"{resume_dir}/config.json is unreadable: {one_line(error)}")
         given["run_dir"] = resume_dir
     else:

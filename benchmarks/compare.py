@@ -260,15 +260,7 @@ def build_parser():
                         help="a LoRA adapter, played as row NAME (repeatable)")
     parser.add_argument("--no-default-adapter", dest="skip_defaults", action="store_const", const=["adapter"],
                         default=[], help=f"do not look for {DEFAULT_ADAPTER[1]}")
-    parser.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
-    parser.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
-    parser.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
-    parser.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
-    parser.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
-    parser.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
-    parser.add_argument("--deadline", type=float, default=180.0,
-                        help="server: seconds for a whole reply, all tries included; then it counts as invalid")
+    baselines.add_server_flags(parser)
     return parser
 
 

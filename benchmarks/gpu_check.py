@@ -83,14 +83,14 @@ def check(cfg: msgrpo.Config, eval_batch: int) -> dict:
     rng = np.random.default_rng(cfg.seed)
     reset_peak_memory()
     metrics = msgrpo.train_iteration(model, optimizer, tokenizer, cfg, rng)
+    iteration_peak = peak_memory_gib()  # one reading for rollout and update; see the table's note
     env_steps = metrics["mean_steps"] * cfg.groups * cfg.group_size
-    rows["rollout"] = dict(seconds=metrics["rollout_seconds"], peak_gib=peak_memory_gib(),
+    rows["rollout"] = dict(seconds=metrics["rollout_seconds"], peak_gib=iteration_peak,
                            rate=f"{env_steps / metrics['rollout_seconds']:.2f} env steps/s "
                                 f"({env_steps:.0f} steps of {cfg.max_new_tokens} new tokens)")
-    rows["update"] = dict(seconds=metrics["update_seconds"], peak_gib=peak_memory_gib(),
+    rows["update"] = dict(seconds=metrics["update_seconds"], peak_gib=iteration_peak,
                           rate=f"{metrics['train_tokens_per_second']:.0f} trained tokens/s "
                                f"({metrics['steps_trained']} steps, {metrics['tokens_trained']} tokens)")
-    rows["rollout"]["peak_gib"] = rows["update"]["peak_gib"]  # one reset covers both; see the note
 
     reset_peak_memory()
     start = time.time()
