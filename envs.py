@@ -355,7 +355,8 @@ def offset_text(d_row, d_col):
 class FrozenLake(TextGame):
     name = "frozen_lake"
     actions = FROZEN_LAKE_ACTIONS
-    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0)
+    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
+                    random_start=False)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -363,6 +364,7 @@ class FrozenLake(TextGame):
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = boolean("slippery", self.options["slippery"])
         self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])  # Gymnasium's 0 unless set
+        self.random_start = boolean("random_start", self.options["random_start"])
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
@@ -371,6 +373,9 @@ class FrozenLake(TextGame):
     def new_game(self, seed):
         self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
         self.position = cells_with(self.map, "S")[0]
+        if self.random_start:  # exploring starts: any ice cell, picked by the seed
+            ice = cells_with(self.map, "S") + cells_with(self.map, "F")
+            self.position = ice[self.rng.integers(len(ice))]
 
     def is_legal(self, action):
         return True  # every move is allowed; edges just stop you

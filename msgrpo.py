@@ -63,6 +63,8 @@ class Config:
     groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
+    # Training games start on a random ice cell (Frozen Lake): many groups then start beside a hole or the
+    exploring_starts: bool = True  # goal, where one move decides the return. Evaluation starts at S.
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -101,6 +103,11 @@ def resolve_defaults(cfg: Config) -> Config:
 
 def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
+
+def training_env_options(cfg: Config) -> dict:
+    """The game options of training rollouts: env_options, plus random starts with exploring_starts."""
+    exploring = cfg.exploring_starts and "random_start" in envs.GAMES[cfg.env].defaults
+    return {**env_options(cfg), **({"random_start": True} if exploring else {})}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
 SYSTEM_PROMPT = "You are playing a grid game."
@@ -285,7 +292,7 @@ class Episode:
 
 def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool = False) -> list[Episode]:
     """G episodes from each seed's start state, every live episode advanced by one batched call."""
-    games = [envs.make(cfg.env, **env_options(cfg)) for _ in seeds for _ in range(cfg.group_size)]
+    games = [envs.make(cfg.env, **training_env_options(cfg)) for _ in seeds for _ in range(cfg.group_size)]
     episodes = [Episode(group=g, seed=s) for g, s in enumerate(seeds) for _ in range(cfg.group_size)]
     observations = [game.reset(seed=ep.seed)[0] for game, ep in zip(games, episodes)]
     bar = tqdm(desc="rollout steps", unit="step", disable=not progress, leave=False)
@@ -972,6 +979,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
+    p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
+                   help="start training games on a random ice cell, Frozen Lake only (default on); "
+                        "held-out evaluation starts at S")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")

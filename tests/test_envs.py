@@ -157,6 +157,18 @@ def test_classic_map_and_given_map():
     assert info["position"] == (0, 2)
 
 
+def test_random_start_puts_you_on_ice_chosen_by_the_seed():
+    plain, exploring = envs.make("frozen_lake", map="classic"), envs.make("frozen_lake", map="classic", random_start=True)
+    assert plain.reset(seed=3)[1]["position"] == (0, 0)  # off: Gymnasium's start, S
+    starts = [exploring.reset(seed=seed)[1]["position"] for seed in range(200)]
+    assert all(CLASSIC[row][col] in "SF" for row, col in starts)  # never a hole or the goal
+    assert len(set(starts)) == sum(tile in "SF" for row in CLASSIC for tile in row)  # every ice cell, in time
+    assert starts == [exploring.reset(seed=seed)[1]["position"] for seed in range(200)]  # the seed decides
+    obs, _ = exploring.reset(seed=1)
+    row, col = exploring.position
+    assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs  # the text is written from where you start
+
+
 def test_frozen_lake_goal_hole_and_info():
     env = envs.make("frozen_lake", map=["SG"])
     obs, info = env.reset(seed=0)

@@ -273,6 +273,23 @@ def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
         assert prompts == sorted(prompts)  # identical prompts adjacent, so a micro-batch reads them once
 
 
+def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
+    cfg, model, tokenizer = tiny
+    cfg = msgrpo.dataclasses.replace(cfg, group_size=2, env_options={"max_steps": 1})
+    assert msgrpo.training_env_options(cfg)["random_start"] is True
+    assert "random_start" not in msgrpo.env_options(cfg)  # evaluation and the probe start at S
+    assert "random_start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, exploring_starts=False))
+    assert "random_start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, env="snake"))
+    torch.manual_seed(0)
+    seeds = list(range(8))
+    episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)
+    first_prompts = [tokenizer.decode(ep.prompts[0]) for ep in episodes]
+    assert all(first_prompts[2 * g] == first_prompts[2 * g + 1] for g in range(len(seeds)))  # one start per group
+    at_start = [envs.make("frozen_lake", max_steps=1).reset(seed=s)[0] in first_prompts[2 * g]
+                for g, s in enumerate(seeds)]
+    assert not all(at_start)  # some groups begin away from S
+
+
 def test_the_stop_criterion_is_built_once_per_tokenizer(tiny):
     """transformers builds a stop-string criterion by scanning the whole vocabulary: once, not per step."""
     cfg, model, tokenizer = tiny
