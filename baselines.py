@@ -810,43 +810,6 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in CRITIC_ALGOS:
-        return train_poad_main(argv[0], argv[1:])
-    parser = build_parser()
-    parser.epilog = f"python baselines.py {{{','.join(CRITIC_ALGOS)}}} --help: train POAD or NTPO"
-    args = parser.parse_args(argv)
-    if args.episodes < 1:
-        parser.error("--episodes must be at least 1")
-    check_server_flags(args, parser)
-    try:
-        options = env_options_from(args)
-        game = envs.make(args.env, **options)  # a bad option fails here, with the valid ones listed
-    except ValueError as error:
-        parser.error(str(error))
-    if warning := envs.pointless_options_warning(game):
-        print(f"{args.env}: {warning}", file=sys.stderr)
-    if args.agent == "server" and not (args.base_url and args.model):
-        parser.error("--agent server needs --base-url and --model")
-
-    agent = make_agent(args, options, parser)
-    seeds = envs.heldout_seeds(args.episodes)
-    result = envs.evaluate(agent, args.env, seeds, progress=True, **options)
-    result["agent"] = args.agent
-    if isinstance(agent, ChatServerAgent):
-        result.update(failed_requests=agent.failures, request_errors=dict(agent.errors))
-    settings = ", ".join(f"{k}={v}" for k, v in result["env_options"].items())
-    print(f"\n{args.env} ({settings}); held-out seeds {seeds[0]}..{seeds[-1]}")
-    print(format_table([summary_row(args.agent, result)]))
-    if isinstance(agent, ChatServerAgent):
-        print(agent.summary())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
-
-
 def add_server_flags(parser):
     """The chat server agent's flags; check them with check_server_flags, build it with server_agent."""
     parser.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
@@ -898,6 +861,43 @@ def make_agent(args, options, parser):
     elif not (run_dir / "model.pt").exists():
         parser.error(f"no DQN weights in {run_dir}; train them with --train-steps N")
     return DQNAgent.load(run_dir)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in CRITIC_ALGOS:
+        return train_poad_main(argv[0], argv[1:])
+    parser = build_parser()
+    parser.epilog = f"python baselines.py {{{','.join(CRITIC_ALGOS)}}} --help: train POAD or NTPO"
+    args = parser.parse_args(argv)
+    if args.episodes < 1:
+        parser.error("--episodes must be at least 1")
+    check_server_flags(args, parser)
+    try:
+        options = env_options_from(args)
+        game = envs.make(args.env, **options)  # a bad option fails here, with the valid ones listed
+    except ValueError as error:
+        parser.error(str(error))
+    if warning := envs.pointless_options_warning(game):
+        print(f"{args.env}: {warning}", file=sys.stderr)
+    if args.agent == "server" and not (args.base_url and args.model):
+        parser.error("--agent server needs --base-url and --model")
+
+    agent = make_agent(args, options, parser)
+    seeds = envs.heldout_seeds(args.episodes)
+    result = envs.evaluate(agent, args.env, seeds, progress=True, **options)
+    result["agent"] = args.agent
+    if isinstance(agent, ChatServerAgent):
+        result.update(failed_requests=agent.failures, request_errors=dict(agent.errors))
+    settings = ", ".join(f"{k}={v}" for k, v in result["env_options"].items())
+    print(f"\n{args.env} ({settings}); held-out seeds {seeds[0]}..{seeds[-1]}")
+    print(format_table([summary_row(args.agent, result)]))
+    if isinstance(agent, ChatServerAgent):
+        print(agent.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
 
 
 if __name__ == "__main__":

@@ -743,6 +743,15 @@ def save_text(path: Path, text: str) -> None:
 def save_json(path: Path, data) -> None:
     save_text(path, json.dumps(data, indent=2))
 
+def save_folder(folder: Path, save) -> Path:
+    """save(path) writes a temporary folder, then it is renamed: an interrupted write leaves nothing."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
 def one_line(error: BaseException) -> str:
     """An exception as one line of text, for a message that names the file it came from."""
     text = str(error).strip().splitlines()
@@ -813,7 +822,7 @@ def save_adapter(run_dir: Path, model) -> None:
     """adapter/ in peft's format, loadable with PeftModel.from_pretrained. Only the LoRA tensors are handed
     over: model.state_dict() would walk (and on some CPUs re-layout) every 4-bit base weight for nothing."""
     weights = lora_weights(model)
-    _save_atomically(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
+    save_folder(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                     extra: dict | None = None) -> None:
@@ -1110,15 +1119,6 @@ def model_path(name: str) -> str:
 def cache_dir() -> Path:
     return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
 
-def _save_atomically(folder: Path, save) -> Path:
-    """Write into a temporary folder and rename it, so an interrupted write leaves nothing behind."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
-
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def bundled_smollm2_folder() -> Path:
@@ -1136,7 +1136,7 @@ def bundled_smollm2_folder() -> Path:
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are plain tensors now: save them as such
     del model.config.quantization_config
-    return _save_atomically(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
+    return save_folder(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
 
 def tiny_model_folder() -> Path:
     """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
@@ -1151,7 +1151,7 @@ def tiny_model_folder() -> Path:
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    return _save_atomically(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
+    return save_folder(folder, lambda path: (model.save_pretrained(path), tokenizer.save_pretrained(path)))
 
 if __name__ == "__main__":
     main(sys.argv[1:])
