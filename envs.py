@@ -194,7 +194,7 @@ BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True,
 
 def option_from_text(env_name, key, text):
     """One game option from its text, typed by the option's default: a boolean from BOOLEAN_WORDS,
-    an int, a finite float, or Frozen Lake's map ("classic", "random", or rows "SFF,FHF,FFG").
+    an int, a finite float, a word (Frozen Lake's start), or Frozen Lake's map ("classic", "random", or rows "SFF,FHF,FFG").
     Raises ValueError naming the option and what it accepts. Ranges are checked by the game."""
     game = GAMES.get(env_name)
     if game is None:
@@ -206,6 +206,8 @@ def option_from_text(env_name, key, text):
         if word not in BOOLEAN_WORDS:
             raise ValueError(f"option {key} must be a boolean ({', '.join(BOOLEAN_WORDS)}), got {text!r}")
         return BOOLEAN_WORDS[word]
+    if isinstance(default, str):
+        return text.strip()  # the game checks it against its choices
     if key == "map":
         if word in ("classic", "random", "none"):
             return {"classic": "classic"}.get(word)
@@ -356,7 +358,8 @@ class FrozenLake(TextGame):
     name = "frozen_lake"
     actions = FROZEN_LAKE_ACTIONS
     defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
-                    random_start=False)
+                    start="S")
+    starts = ("S", "ice", "beside_hole")
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -364,7 +367,9 @@ class FrozenLake(TextGame):
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = boolean("slippery", self.options["slippery"])
         self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])  # Gymnasium's 0 unless set
-        self.random_start = boolean("random_start", self.options["random_start"])
+        self.start = self.options["start"]
+        if self.start not in self.starts:
+            raise ValueError(f"option start must be one of {', '.join(self.starts)}, got {self.start!r}")
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
@@ -372,10 +377,18 @@ class FrozenLake(TextGame):
 
     def new_game(self, seed):
         self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
-        self.position = cells_with(self.map, "S")[0]
-        if self.random_start:  # exploring starts: any ice cell, picked by the seed
-            ice = cells_with(self.map, "S") + cells_with(self.map, "F")
-            self.position = ice[self.rng.integers(len(ice))]
+        self.position = self.start_cell()
+
+    def start_cell(self):
+        """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell ("ice"), or
+        an ice cell one move from a hole ("beside_hole", any ice cell on a map without one)."""
+        if self.start == "S":
+            return cells_with(self.map, "S")[0]
+        ice = cells_with(self.map, "S") + cells_with(self.map, "F")
+        beside_hole = [cell for cell in ice if any(walks_onto(self.map, cell, action) == "hole"
+                                                   for action in range(len(self.actions)))]
+        cells = beside_hole if self.start == "beside_hole" and beside_hole else ice
+        return cells[self.rng.integers(len(cells))]
 
     def is_legal(self, action):
         return True  # every move is allowed; edges just stop you

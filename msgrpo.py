@@ -63,8 +63,8 @@ class Config:
     groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
     temperature: float = 1.0
-    # Training games start on a random ice cell (Frozen Lake): many groups then start beside a hole or the
-    exploring_starts: bool = True  # goal, where one move decides the return. Evaluation starts at S.
+    # Training games start on a random ice cell one move from a hole (Frozen Lake): a group's first move
+    exploring_starts: bool = True  # then decides its return. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -105,9 +105,9 @@ def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
 
 def training_env_options(cfg: Config) -> dict:
-    """The game options of training rollouts: env_options, plus random starts with exploring_starts."""
-    exploring = cfg.exploring_starts and "random_start" in envs.GAMES[cfg.env].defaults
-    return {**env_options(cfg), **({"random_start": True} if exploring else {})}
+    """The game options of training rollouts: env_options, plus starts beside a hole with exploring_starts."""
+    exploring = cfg.exploring_starts and "start" in envs.GAMES[cfg.env].defaults
+    return {**env_options(cfg), **({"start": "beside_hole"} if exploring else {})}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
 SYSTEM_PROMPT = "You are playing a grid game."

@@ -157,16 +157,24 @@ def test_classic_map_and_given_map():
     assert info["position"] == (0, 2)
 
 
-def test_random_start_puts_you_on_ice_chosen_by_the_seed():
-    plain, exploring = envs.make("frozen_lake", map="classic"), envs.make("frozen_lake", map="classic", random_start=True)
-    assert plain.reset(seed=3)[1]["position"] == (0, 0)  # off: Gymnasium's start, S
-    starts = [exploring.reset(seed=seed)[1]["position"] for seed in range(200)]
-    assert all(CLASSIC[row][col] in "SF" for row, col in starts)  # never a hole or the goal
+def test_exploring_starts_put_you_on_ice_or_beside_a_hole_chosen_by_the_seed():
+    plain = envs.make("frozen_lake", map="classic")
+    anywhere, beside = (envs.make("frozen_lake", map="classic", start=start) for start in ("ice", "beside_hole"))
+    assert plain.reset(seed=3)[1]["position"] == (0, 0)  # the default: Gymnasium's start, S
+    starts = [anywhere.reset(seed=seed)[1]["position"] for seed in range(200)]
     assert len(set(starts)) == sum(tile in "SF" for row in CLASSIC for tile in row)  # every ice cell, in time
-    assert starts == [exploring.reset(seed=seed)[1]["position"] for seed in range(200)]  # the seed decides
-    obs, _ = exploring.reset(seed=1)
-    row, col = exploring.position
+    assert starts == [anywhere.reset(seed=seed)[1]["position"] for seed in range(200)]  # the seed decides
+    # SFFF / FHFH / FFFH / HFFG: the ice cells with a hole one move away, worked out by hand
+    assert {beside.reset(seed=seed)[1]["position"] for seed in range(200)} == {
+        (0, 1), (0, 3), (1, 0), (1, 2), (2, 0), (2, 1), (2, 2), (3, 1)}
+    holeless = envs.make("frozen_lake", map=["SF", "FG"], start="beside_hole")
+    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (0, 1), (1, 0)}
+    obs, _ = anywhere.reset(seed=1)
+    row, col = anywhere.position
     assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs  # the text is written from where you start
+    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole"):
+        envs.make("frozen_lake", start="corner")
+    assert envs.option_from_text("frozen_lake", "start", " beside_hole ") == "beside_hole"
 
 
 def test_frozen_lake_goal_hole_and_info():

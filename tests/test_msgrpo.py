@@ -276,10 +276,10 @@ def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, group_size=2, env_options={"max_steps": 1})
-    assert msgrpo.training_env_options(cfg)["random_start"] is True
-    assert "random_start" not in msgrpo.env_options(cfg)  # evaluation and the probe start at S
-    assert "random_start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, exploring_starts=False))
-    assert "random_start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, env="snake"))
+    assert msgrpo.training_env_options(cfg)["start"] == "beside_hole"
+    assert "start" not in msgrpo.env_options(cfg)  # evaluation and the probe start at S
+    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, exploring_starts=False))
+    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, env="snake"))
     torch.manual_seed(0)
     seeds = list(range(8))
     episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)
