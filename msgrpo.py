@@ -58,7 +58,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    # 0 = 100 on CUDA, 12 on the CPU, when format and direction are learned; then --resume RUN --lr 5e-5
+    # 0 = 100 on CUDA, 12 on the CPU, when format and direction are learned; --resume RUN --iterations N goes on
     iterations: int = 0  # kept the policy from collapsing (results/NOTES.md)
     groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
@@ -78,6 +78,9 @@ class Config:
     # Steps per forward/backward; lower it if memory runs out. 0 = 16, or 4 with thinking: sixteen
     micro_batch: int = 0  # ~420-token thinking steps needed over 24 GB on the CPU (results/NOTES.md)
     lr: float = 2e-4
+    # The reply format is learned in ~10 iterations at 2e-4, but kept at 2e-4 the policy collapsed onto one
+    lr_drop_after: int = 12  # reply; at 5e-5 it kept learning for 100 iterations (NOTES.md). 0 = never drop
+    late_lr: float = 5e-5
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2  # ratio clip
@@ -545,6 +548,10 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "train_tokens_per_second": counts["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0,
     }
 
+def learning_rate(cfg: Config, iteration: int) -> float:
+    """cfg.lr for the first cfg.lr_drop_after iterations (all of them if 0), then cfg.late_lr."""
+    return cfg.late_lr if cfg.lr_drop_after and iteration > cfg.lr_drop_after else cfg.lr
+
 def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:
     """Train cfg.iterations iterations into cfg.run_dir (section 11), or continue one with resume.
     update: one iteration's credit assignment and update (msgrpo_update's signature). extra_modules(model)
@@ -572,8 +579,6 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
     first = 1
     if checkpoint:
         optimizer.load_state_dict(checkpoint["optimizer"])
-        for group in optimizer.param_groups:  # the saved state carries the old rate; --lr given now wins
-            group["lr"] = cfg.lr
         restore_random_state(checkpoint, rng)
         first = checkpoint["iteration"] + 1
         truncate_metrics(run_dir, checkpoint["iteration"])
@@ -604,6 +609,8 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
                 # Before the update: like the rollout metrics of its line, the probe reads the policy
                 # that plays this iteration (at iteration 1, the untrained one).
                 probe = map_reading_probe(model, tokenizer, cfg, probe_states) if probe_due(cfg, iteration) else {}
+                for group in optimizer.param_groups:  # set each time: a resumed optimizer carries its old rate
+                    group["lr"] = learning_rate(cfg, iteration)
                 metrics = train_iteration(model, optimizer, tokenizer, cfg, rng, update)
                 metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
                 save_iteration(run_dir, model, optimizer, rng, iteration, metrics, extra)
@@ -947,6 +954,8 @@ NUMERIC_FLAGS = [
     ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
      lambda v: v >= 1, "at least 1"),
     ("lr", float, "AdamW learning rate", lambda v: v > 0, "above 0"),
+    ("lr-drop-after", int, "iterations at --lr, then --late-lr (0: --lr throughout)", lambda v: v >= 0, "at least 0"),
+    ("late-lr", float, "AdamW learning rate after --lr-drop-after iterations", lambda v: v > 0, "above 0"),
     ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
     ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
     ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),

@@ -418,6 +418,23 @@ def test_flags_given_with_resume_are_used_and_saved(tmp_path):
     assert (saved["lr"], saved["iterations"]) == (5e-5, 2)
 
 
+def test_the_rate_drops_to_late_lr_after_lr_drop_after_iterations(tmp_path):
+    cfg = msgrpo.Config(lr=2e-4, lr_drop_after=12, late_lr=5e-5)
+    assert [msgrpo.learning_rate(cfg, i) for i in (1, 12, 13, 100)] == [2e-4, 2e-4, 5e-5, 5e-5]
+    assert msgrpo.learning_rate(msgrpo.dataclasses.replace(cfg, lr_drop_after=0), 100) == 2e-4
+    seen = []
+    original = msgrpo.train_iteration
+
+    def spy(model, optimizer, *args):
+        seen.append(optimizer.param_groups[0]["lr"])
+        return original(model, optimizer, *args)
+
+    with mock.patch.object(msgrpo, "train_iteration", spy):
+        msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--lr-drop-after", "1", "--late-lr", "1e-5",
+                                "--run-dir", str(tmp_path / "run")])
+    assert seen == [1e-3, 1e-5]
+
+
 def test_bad_cli_input_fails_clearly(capsys):
     with pytest.raises(SystemExit):
         msgrpo.main(["--env", "chess"])
