@@ -1061,6 +1061,9 @@ def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False, 
         fail(f"--env-opt: {error}")
     if warning := envs.pointless_options_warning(game):
         print(f"{cfg.env}: {warning}", file=sys.stderr)
+    if cfg.env_options.get("start", "S") != "S":  # exploring_starts is the setting that moves training only
+        print(f"{cfg.env}: warning: start={cfg.env_options['start']} also moves where held-out evaluation and "
+              f"the probe start; --exploring-starts moves training games only", file=sys.stderr)
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--run-dir {run_dir} is a file, not a folder")

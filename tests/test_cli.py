@@ -35,10 +35,17 @@ def stopped(argv):
     (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--env-opt", "size=abc"], "size"),
     (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
     (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
-    (["--env-opt", "map=SFX,FFG"], "map")])
+    (["--env-opt", "map=SFX,FFG"], "map"), (["--env-opt", "start=corner"], "start")])
 def test_bad_settings_stop_before_the_model_loads(argv, named, tmp_path):
     assert named in stopped(argv + ["--run-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_start_game_option_warns_that_evaluation_starts_there_too(tmp_path, capsys):
+    msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(env_options={"start": "ice"}, run_dir=str(tmp_path / "r"))))
+    assert "held-out evaluation" in capsys.readouterr().err
+    msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(run_dir=str(tmp_path / "r"))))
+    assert capsys.readouterr().err == ""
 
 
 def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
