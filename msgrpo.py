@@ -218,6 +218,23 @@ def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
     cache.batch_repeat_interleave(rows)
     return cache
 
+def prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int, rows: torch.Tensor):
+    """Prompt caching for generate: keys and values of each distinct prompt but its last token (generate
+    reads that one), the shared prefix run once (prefix_cache), then copied to every row holding that
+    prompt. The G episodes of a group share their first prompt, and episodes that stay put share later
+    ones, so a prompt is read once per step, not once per episode. input_ids: [U, L] left-padded after
+    the prefix; rows: [N] the prompt each row holds."""
+    device = next(model.parameters()).device
+    cache = prefix_cache(model, input_ids[0, :shared], input_ids.shape[0]) if shared else None
+    if input_ids.shape[1] - 1 > shared:
+        mask = attention_mask[:, :-1]
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]  # generate()'s positions, pads aside
+        cache = model(input_ids=input_ids[:, shared:-1].to(device), attention_mask=mask.to(device),
+                      position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1).cache
+    if cache is not None:
+        cache.batch_select_indices(rows.to(device))
+    return cache
+
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -244,20 +261,24 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     """One batched generate over all prompts; returns the sampled ids and their log-probs. Sampling is
     softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever generation_config
     says), so the loss recomputes log-probs of the distribution the tokens came from. temperature 0 means
-    greedy; share_prefix=False skips prefix_cache (the same numbers, slower). with_logprobs=False asks for
+    greedy; share_prefix=False skips prompt_cache (the same numbers, slower). with_logprobs=False asks for
     no scores (rows x tokens x vocabulary: gigabytes when thinking): evaluation needs only the text."""
     model.eval()
     device = next(model.parameters()).device
-    shared = shared_prefix_length(prompts) if share_prefix else 0
-    suffix_ids, suffix_mask = left_pad([p[shared:] for p in prompts], tokenizer.pad_token_id)
-    prefix = torch.tensor(prompts[0][:shared], dtype=torch.long)
-    input_ids = torch.cat([prefix.expand(len(prompts), shared), suffix_ids], dim=1)
-    attention_mask = torch.cat([torch.ones(len(prompts), shared, dtype=torch.long), suffix_mask], dim=1)
+    distinct = list(dict.fromkeys(map(tuple, prompts))) if share_prefix else [tuple(p) for p in prompts]
+    row_of = {prompt: row for row, prompt in enumerate(distinct)}
+    rows = torch.tensor([row_of[tuple(p)] for p in prompts]) if share_prefix else torch.arange(len(prompts))
+    shared = shared_prefix_length(distinct) if share_prefix else 0
+    suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], tokenizer.pad_token_id)
+    prefix = torch.tensor(distinct[0][:shared], dtype=torch.long)
+    input_ids = torch.cat([prefix.expand(len(distinct), shared), suffix_ids], dim=1)
+    attention_mask = torch.cat([torch.ones(len(distinct), shared, dtype=torch.long), suffix_mask], dim=1)
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
     with packed_4bit_weights(model):
+        cache = prompt_cache(model, input_ids, attention_mask, shared, rows) if share_prefix else None
+        input_ids, attention_mask = input_ids[rows], attention_mask[rows]  # one row per prompt given
         out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            cache=prefix_cache(model, prefix, len(prompts)) if shared else None,
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), cache=cache,
             max_new_tokens=max_new_tokens, repetition_penalty=1.0,
             **(sampling if temperature > 0 else dict(do_sample=False)),
             stopping_criteria=[action_end_criterion(tokenizer)], pad_token_id=tokenizer.pad_token_id,

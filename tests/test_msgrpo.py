@@ -300,18 +300,20 @@ def test_the_stop_criterion_is_built_once_per_tokenizer(tiny):
     assert msgrpo.action_end_criterion.cache_info().misses == 1
 
 
-def test_prefix_caching_samples_what_the_full_prompts_sample(tiny):
-    """Same seed, with and without the shared prefix: the same replies and log-probs."""
+def test_prompt_caching_samples_what_the_full_prompts_sample(tiny):
+    """Same seed, with and without the cache (the shared prefix and each distinct prompt read once):
+    the same replies and log-probs, repeated prompts included."""
     cfg, model, tokenizer = tiny
-    prompts = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
-    runs = []
-    for share in (False, True):
-        torch.manual_seed(5)
-        runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, share_prefix=share))
-    (full_ids, full_logp), (cached_ids, cached_logp) = runs
-    assert full_ids == cached_ids
-    for full_row, cached_row in zip(full_logp, cached_logp):
-        np.testing.assert_allclose(cached_row, full_row, atol=1e-4)
+    four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
+    for prompts in (four + four[::-1] + four[:1], four[:1] * 3):  # 9 rows of 4 prompts; 3 rows of one
+        runs = []
+        for share in (False, True):
+            torch.manual_seed(5)
+            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, share_prefix=share))
+        (full_ids, full_logp), (cached_ids, cached_logp) = runs
+        assert full_ids == cached_ids
+        for full_row, cached_row in zip(full_logp, cached_logp):
+            np.testing.assert_allclose(cached_row, full_row, atol=1e-4)
 
 
 def test_sampled_length_keeps_the_end_token_once_and_stops_at_action_end(tiny):
