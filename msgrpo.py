@@ -71,6 +71,9 @@ class Config:
     invalid_penalty: float = -0.1
     # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as a
     scale_advantages: bool = False  # goal, and runs collapsed; R - mean keeps goals 10x louder (NOTES.md)
+    # Each trained episode weighs the same in the loss, whatever its length. With a plain token mean an
+    # episode that survives 8 steps outvotes one that falls into a hole at its first: the survivors'
+    episode_mean: bool = True  # habitual moves are reinforced wherever they were made (NOTES.md)
     sampling: str = "aaw"  # aaw | uniform | all
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
@@ -361,6 +364,16 @@ def zero_variance_groups(returns, group_ids) -> int:
     returns, group_ids = np.asarray(returns), np.asarray(group_ids)
     return int(sum(np.ptp(returns[group_ids == g]) == 0 for g in np.unique(group_ids)))
 
+def episode_length_weights(episodes: list[Episode], chosen) -> np.ndarray:
+    """w_i = mean_j T_j / T_i over the chosen episodes (T = steps): scaling the advantages of episode i's
+    steps by w_i makes the loss's token mean a mean over episodes, each the mean over its own steps (the
+    clipped objective is linear in a positive scale of A). The scale mean_j T_j keeps the loss's size."""
+    lengths = np.array([len(ep.responses) for ep in episodes], dtype=float)
+    weights = np.ones(len(episodes))
+    if len(chosen):
+        weights[chosen] = lengths[chosen].mean() / lengths[chosen]
+    return weights
+
 def episode_steps(episodes: list[Episode], advantages: np.ndarray, chosen) -> list[tuple]:
     """The broadcast to steps: (prompt ids, response ids, A_i) for every step of each chosen episode."""
     return [(prompt, response, float(advantages[i]))
@@ -534,7 +547,8 @@ def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Con
     returns = episode_returns([ep.rewards for ep in episodes])
     advantages = group_advantages(returns, [ep.group for ep in episodes], scale=cfg.scale_advantages)
     chosen = choose_episodes(advantages, cfg, rng)
-    steps = episode_steps(episodes, advantages, chosen)
+    weights = episode_length_weights(episodes, chosen) if cfg.episode_mean else 1.0
+    steps = episode_steps(episodes, advantages * weights, chosen)
     stats = update_policy(model, optimizer, tokenizer, steps, cfg, rng) if steps else {}
     return {"episodes_trained": len(chosen), "steps_trained": len(steps),
             "tokens_trained": sum(len(p) + len(r) for p, r, _ in steps), **stats}
@@ -1018,6 +1032,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"], help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
+    p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
+                   help="each trained episode weighs the same in the loss, whatever its length (default on); "
+                        "--no-episode-mean: a plain mean over all response tokens")
     p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
                    help="start training games on a random ice cell, Frozen Lake only (default on); "
                         "held-out evaluation starts at S")

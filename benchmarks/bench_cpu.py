@@ -7,7 +7,8 @@ Every Frozen Lake prompt starts with the same system prompt, rules and action li
 episodes of a group start from the same observation. Two ways to run the same work:
     plain    every row read whole; the stop-at-</action> criterion built on every generate call
     once     the shared prefix run once and its keys and values reused by every row (prefix
-             caching); identical steps of a minibatch read once; the criterion built once
+             caching); in generate, each distinct prompt read once and its cache copied to the rows
+             that hold it; identical steps of a minibatch read once; the criterion built once
 (a) a rollout step: real MS-GRPO rollouts (B groups x G episodes in lockstep), seconds per env step;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
     minibatches and micro-batches, seconds per step.

@@ -158,6 +158,22 @@ def test_broadcast_from_episodes_to_steps():
     assert [r for _, r, _ in steps] == [[4], [5, 6], [7], [9]]
 
 
+def test_episode_mean_gives_every_episode_the_same_weight_whatever_its_length():
+    """A 3-step survivor (A = +1) and a 1-step fall (A = -1): mean length 2, so the survivor's steps get
+    2/3 each and the fall's step 2. Per episode the weights sum to A_i * 2: the two cancel, where a
+    plain token mean would have weighed the survivor 3 to 1."""
+    episodes = [msgrpo.Episode(group=0, seed=1, prompts=[[1], [2], [3]], responses=[[4], [5], [6]]),
+                msgrpo.Episode(group=0, seed=1, prompts=[[1]], responses=[[7]]),
+                msgrpo.Episode(group=0, seed=1, prompts=[[1]] * 5, responses=[[8]] * 5)]  # not drawn
+    chosen = np.array([0, 1])
+    weights = msgrpo.episode_length_weights(episodes, chosen)
+    np.testing.assert_allclose(weights[chosen], [2 / 3, 2.0])
+    steps = msgrpo.episode_steps(episodes, np.array([1.0, -1.0, 0.5]) * weights, chosen)
+    assert [a for _, _, a in steps] == pytest.approx([2 / 3, 2 / 3, 2 / 3, -2.0])
+    assert sum(a for _, _, a in steps) == pytest.approx(0.0)
+    assert msgrpo.episode_length_weights(episodes, np.array([], dtype=int)).tolist() == [1.0, 1.0, 1.0]
+
+
 # --- the model pieces, on the tiny model --------------------------------------------------------
 
 
