@@ -71,9 +71,9 @@ class Config:
     invalid_penalty: float = -0.1
     # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as a
     scale_advantages: bool = False  # goal, and runs collapsed; R - mean keeps goals 10x louder (NOTES.md)
-    # Each trained episode weighs the same in the loss, whatever its length. With a plain token mean an
-    # episode that survives 8 steps outvotes one that falls into a hole at its first: the survivors'
-    episode_mean: bool = True  # habitual moves are reinforced wherever they were made (NOTES.md)
+    # Each trained episode weighs the same in the loss, whatever its length. With the plain token mean an
+    # episode that survives 8 steps outvotes one that falls into a hole at its first, so the survivors'
+    episode_mean: bool = False  # habitual moves are reinforced wherever they were made (NOTES.md)
     sampling: str = "aaw"  # aaw | uniform | all
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
@@ -1033,8 +1033,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
     p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
-                   help="each trained episode weighs the same in the loss, whatever its length (default on); "
-                        "--no-episode-mean: a plain mean over all response tokens")
+                   help="each trained episode weighs the same in the loss, whatever its length (default off: "
+                        "a plain mean over all response tokens)")
     p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
                    help="start training games on a random ice cell, Frozen Lake only (default on); "
                         "held-out evaluation starts at S")
