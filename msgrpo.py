@@ -705,9 +705,10 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
                              batch_size=cfg.eval_batch, progress=True, **env_options(cfg))
 
 def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
-    """Greedy, and under "sampled" at cfg.temperature (sampled_episodes 0: as many as greedy)."""
+    """Greedy, and under "sampled" at T = 1, the policy's own distribution whatever temperature its
+    rollouts explore at (sampled_episodes 0: as many as greedy)."""
     result = evaluate_policy(model, tokenizer, cfg)
-    sampled_cfg = dataclasses.replace(cfg, eval_episodes=sampled_episodes or cfg.eval_episodes)
+    sampled_cfg = dataclasses.replace(cfg, eval_episodes=sampled_episodes or cfg.eval_episodes, temperature=1.0)
     result["sampled"] = evaluate_policy(model, tokenizer, sampled_cfg, greedy=False)
     return result
 
@@ -924,7 +925,7 @@ def eval_table(evals: list[dict]) -> str:
     return "\n".join(lines)
 
 def sampled_evals(evals: list[dict]) -> list[dict]:
-    """The evaluations that also played at the training temperature, as rows of their own."""
+    """The evaluations that also played sampled (T = 1), as rows of their own."""
     return [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
 
 def plot_curves(run_dir: Path) -> None:

@@ -22,7 +22,7 @@ def main(argv=None):
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--sampled", action="store_true",
-                        help="also play both at the training temperature (stored under 'sampled', as train() does)")
+                        help="also play both sampled at T = 1 (stored under 'sampled', as train() does)")
     args = parser.parse_args(argv)
     cfg = msgrpo.load_config(args.run_dir)
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
@@ -37,7 +37,7 @@ def main(argv=None):
     evals = msgrpo.load_json(args.run_dir / "eval.json")
     print(msgrpo.eval_table(evals))
     if args.sampled:
-        print("sampled at the training temperature:")
+        print("sampled at T = 1:")
         print(msgrpo.eval_table(msgrpo.sampled_evals(evals)))
 
 

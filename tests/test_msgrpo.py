@@ -674,3 +674,14 @@ def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
         msgrpo.plot_curves(run)
         widths[name] = matplotlib.image.imread(run / "curves.png").shape[1]
     assert widths["probed"] > widths["snake"]  # a fourth panel, on a wider figure
+
+
+def test_sampled_evaluation_plays_at_temperature_one_whatever_the_rollouts_explore_at(monkeypatch):
+    """Rollouts may sample hotter to keep groups varied; the held-out "sampled" score is the policy's own
+    distribution (T = 1), so it compares across runs."""
+    played = []
+    monkeypatch.setattr(msgrpo, "evaluate_policy",
+                        lambda model, tokenizer, cfg, greedy=True: played.append((greedy, cfg.temperature)) or {})
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", temperature=2.0, run_dir="unused"))
+    result = msgrpo.evaluate_greedy_and_sampled(None, None, cfg)
+    assert played == [(True, 2.0), (False, 1.0)] and "sampled" in result
