@@ -62,7 +62,8 @@ class Config:
     iterations: int = 0  # kept the policy from collapsing (results/NOTES.md)
     groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
-    temperature: float = 1.0
+    # Rollouts sample at T (and the loss scores at T). Once the policy is sure of its first move, all G
+    temperature: float = 1.0  # episodes of a group make it and teach nothing: T = 2 restored them (NOTES.md)
     # Training games start on a random ice cell one move from a hole (Frozen Lake): a group's first move
     exploring_starts: bool = True  # then decides its return. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
