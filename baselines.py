@@ -523,8 +523,8 @@ CRITIC_ALGOS = ("poad", "ntpo")
 
 @dataclass
 class POADConfig(msgrpo.Config):
-    """msgrpo's settings plus the critic's. sampling, sample_frac, scale_advantages and beta are
-    MS-GRPO's and do not apply: the critic's update trains on every step."""
+    """msgrpo's settings plus the critic's. sampling, sample_frac, scale_advantages, episode_mean and beta
+    are MS-GRPO's and do not apply: the critic's update trains on every step."""
     algo: str = "poad"  # poad: the BAD backup; ntpo: the naive token-level one
     gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
     gae_lambda: float = 0.95

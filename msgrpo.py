@@ -202,6 +202,19 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
         mask[row, width - len(seq):] = 1
     return ids, mask
 
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """generate()'s position ids for left-padded rows: real tokens counted from 0, pads at 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+def distinct_rows(items: list, dedupe: bool = True) -> tuple[list, torch.Tensor]:
+    """The distinct items in first-seen order, and for each item the row of its copy among them (the
+    identity without dedupe): identical prompts or steps are then computed once."""
+    if not dedupe:
+        return list(items), torch.arange(len(items))
+    distinct = list(dict.fromkeys(items))
+    row_of = {item: row for row, item in enumerate(distinct)}
+    return distinct, torch.tensor([row_of[item] for item in items])
+
 def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
     """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out. Every LAP
     prompt starts with the same system prompt, rules and action list: ~90 of SmolLM2's ~160 on Frozen Lake."""
@@ -232,7 +245,7 @@ def prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, s
     cache = prefix_cache(model, input_ids[0, :shared], input_ids.shape[0]) if shared else None
     if input_ids.shape[1] - 1 > shared:
         mask = attention_mask[:, :-1]
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]  # generate()'s positions, pads aside
+        position_ids = left_padded_positions(mask)[:, shared:]
         cache = model(input_ids=input_ids[:, shared:-1].to(device), attention_mask=mask.to(device),
                       position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1).cache
     if cache is not None:
@@ -269,9 +282,7 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     no scores (rows x tokens x vocabulary: gigabytes when thinking): evaluation needs only the text."""
     model.eval()
     device = next(model.parameters()).device
-    distinct = list(dict.fromkeys(map(tuple, prompts))) if share_prefix else [tuple(p) for p in prompts]
-    row_of = {prompt: row for row, prompt in enumerate(distinct)}
-    rows = torch.tensor([row_of[tuple(p)] for p in prompts]) if share_prefix else torch.arange(len(prompts))
+    distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
     shared = shared_prefix_length(distinct) if share_prefix else 0
     suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], tokenizer.pad_token_id)
     prefix = torch.tensor(distinct[0][:shared], dtype=torch.long)
@@ -405,9 +416,7 @@ def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
                   read_once: bool = False) -> StepBatch:
     """steps: (prompt ids, response ids, advantage) -> StepBatch. With read_once, response_logprobs hands
     every step its row's log-probs, so the loss and its gradients are those of one row per step."""
-    pairs = [(tuple(p), tuple(r)) for p, r, _ in steps]
-    distinct = list(dict.fromkeys(pairs)) if read_once else pairs
-    row_of = {pair: row for row, pair in enumerate(distinct)}
+    distinct, step_rows = distinct_rows([(tuple(p), tuple(r)) for p, r, _ in steps], dedupe=read_once)
     sequences = [list(p + r) for p, r in distinct]
     keep = max(len(r) for _, r in distinct) + 1  # the positions that predict a response stay in the rows
     shared = shared_prefix_length(sequences, keep) if read_once else 0
@@ -419,7 +428,7 @@ def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
     return StepBatch(input_ids, attention_mask, response_mask,
                      advantages=torch.tensor([a for _, _, a in steps], dtype=torch.float32),
                      prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long),
-                     step_rows=torch.tensor([row_of[pair] if read_once else n for n, pair in enumerate(pairs)]))
+                     step_rows=step_rows)
 
 def chunks(items: list, size: int):
     size = size if size > 0 else len(items)
@@ -468,7 +477,7 @@ def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torc
     rows, shared = input_ids.shape[0], len(prefix_ids)
     cache = prefix_cache(model, prefix_ids, rows) if shared else None
     attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, shared:]
+    position_ids = left_padded_positions(attention_mask)[:, shared:]
     return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                  position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None,
                  logits_to_keep=keep).logits
