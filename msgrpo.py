@@ -58,12 +58,20 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    # 0 = 100 on CUDA, 12 on the CPU, when format and direction are learned; --resume RUN --iterations N goes on
-    iterations: int = 0  # kept the policy from collapsing (results/NOTES.md)
-    groups: int = 4  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
+    # 0 = 100 on CUDA, 80 on the CPU; --resume RUN --iterations N goes on
+    iterations: int = 0
+    groups: int = 8  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
-    # Rollouts sample at T (and the loss scores at T). Once the policy is sure of its first move, all G
-    temperature: float = 1.0  # episodes of a group make it and teach nothing: T = 2 restored them (NOTES.md)
+    # Training runs in two phases. Early (the first late_after iterations): the model learns the reply
+    # format, at lr and T = temperature; at T = 2 the base model's replies are mostly unparseable.
+    # Late: once the policy is sure of its first move, all G episodes of a group make it at T = 1,
+    # their returns are equal and the group teaches nothing: rollouts sample at late_temperature
+    # (and the loss scores at it) so that about one in eight tries another move, at the lower late_lr.
+    late_after: int = 12  # 0 = one phase: lr and temperature throughout
+    temperature: float = 1.0
+    late_temperature: float = 2.0
+    lr: float = 2e-4
+    late_lr: float = 1e-4
     # Training games start on a random ice cell one move from a hole (Frozen Lake): a group's first move
     exploring_starts: bool = True  # then decides its return. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
@@ -74,17 +82,14 @@ class Config:
     scale_advantages: bool = False  # goal, and runs collapsed; R - mean keeps goals 10x louder (NOTES.md)
     # Each trained episode weighs the same in the loss, whatever its length. With the plain token mean an
     # episode that survives 8 steps outvotes one that falls into a hole at its first, so the survivors'
-    episode_mean: bool = False  # habitual moves are reinforced wherever they were made (NOTES.md)
+    episode_mean: bool = True  # habitual moves are reinforced wherever they were made
     sampling: str = "aaw"  # aaw | uniform | all
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1
-    minibatch: int = 32  # steps per optimizer step; 0 = all sampled steps in one step
+    # Steps per optimizer step; 0 = all sampled steps in one step (one AdamW step per iteration: the
+    minibatch: int = 0  # ratio is then exactly 1 and no scoring pass is needed)
     # Steps per forward/backward; lower it if memory runs out. 0 = 16, or 4 with thinking: sixteen
     micro_batch: int = 0  # ~420-token thinking steps needed over 24 GB on the CPU (results/NOTES.md)
-    lr: float = 2e-4
-    # The reply format is learned in ~10 iterations at 2e-4, but kept at 2e-4 the policy collapsed onto one
-    lr_drop_after: int = 12  # reply; at 5e-5 it kept learning for 100 iterations (NOTES.md). 0 = never drop
-    late_lr: float = 5e-5
     grad_clip: float = 1.0
     beta: float = 0.0  # KL weight to the adapter-disabled reference
     eps_clip: float = 0.2  # ratio clip
@@ -102,7 +107,7 @@ def resolve_defaults(cfg: Config) -> Config:
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
     cuda = torch.cuda.is_available()
     return dataclasses.replace(cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL),
-                               iterations=cfg.iterations or (100 if cuda else 12),
+                               iterations=cfg.iterations or (100 if cuda else 80),
                                max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
                                micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
                                eval_batch=cfg.eval_batch or (32 if cuda else 64),
@@ -593,9 +598,11 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "train_tokens_per_second": counts["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0,
     }
 
-def learning_rate(cfg: Config, iteration: int) -> float:
-    """cfg.lr for the first cfg.lr_drop_after iterations (all of them if 0), then cfg.late_lr."""
-    return cfg.late_lr if cfg.lr_drop_after and iteration > cfg.lr_drop_after else cfg.lr
+def phase_settings(cfg: Config, iteration: int) -> tuple[float, float]:
+    """(learning rate, rollout temperature) of an iteration: (lr, temperature) for the first
+    cfg.late_after iterations (all of them if 0), then (late_lr, late_temperature)."""
+    late = cfg.late_after and iteration > cfg.late_after
+    return (cfg.late_lr, cfg.late_temperature) if late else (cfg.lr, cfg.temperature)
 
 def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:
     """Train cfg.iterations iterations into cfg.run_dir (section 11), or continue one with resume.
@@ -654,10 +661,13 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
                 # Before the update: like the rollout metrics of its line, the probe reads the policy
                 # that plays this iteration (at iteration 1, the untrained one).
                 probe = map_reading_probe(model, tokenizer, cfg, probe_states) if probe_due(cfg, iteration) else {}
+                lr, temperature = phase_settings(cfg, iteration)
                 for group in optimizer.param_groups:  # set each time: a resumed optimizer carries its old rate
-                    group["lr"] = learning_rate(cfg, iteration)
-                metrics = train_iteration(model, optimizer, tokenizer, cfg, rng, update)
-                metrics = {"iteration": iteration, **metrics, **probe, "seconds": time.time() - start}
+                    group["lr"] = lr
+                metrics = train_iteration(model, optimizer, tokenizer, dataclasses.replace(cfg, temperature=temperature),
+                                          rng, update)
+                metrics = {"iteration": iteration, **metrics, **probe, "lr": lr, "temperature": temperature,
+                           "seconds": time.time() - start}
                 save_iteration(run_dir, model, optimizer, rng, iteration, metrics, extra)
             except FloatingPointError as error:
                 raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of iteration "
@@ -683,6 +693,7 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
 
 def progress_line(m: dict) -> str:
     probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
+             f"probe maps won greedily {m.get('probe_greedy_success', math.nan):.2f}  "
              if "probe_down_ratio" in m else "")  # 1: map-blind; towards 0: it reads the map
     return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  success {m['success_rate']:.2f}  "
             f"invalid {m['invalid_rate']:.2f}  zero-var groups {m['zero_variance_groups']}  "
@@ -772,9 +783,13 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
         probe_<move>_hole   mean P(move) where the move walks into a hole
         probe_<move>_ice    mean P(move) where it walks onto ice
         probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
-                            into a hole it is shown (NaN where a group is empty or ice is 0)"""
-    probabilities = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states])
-    result = {}
+                            into a hole it is shown (NaN where a group is empty or ice is 0)
+        probe_greedy_success  the fraction of the probe maps the greedy policy wins from S
+    A ratio is not a player: one that falls because the move stopped being played onto ice too
+    reads as "reading". probe_greedy_success says whether the argmax moves still reach the goal."""
+    probabilities, greedy_moves = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states], greedy=True)
+    result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves,
+                                                           envs.make(cfg.env, **env_options(cfg)).max_steps)}
     for name in ("down", "right"):
         move = envs.FROZEN_LAKE_ACTIONS.index(name)
         onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states], dtype=object)
@@ -782,6 +797,25 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
         result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
         result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
     return result
+
+def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> float:
+    """The fraction of the probe states' maps that the greedy policy (its move per probe state; -1 for
+    an invalid reply) walks from S to G within max_steps, moves taken as on a firm map. A move into
+    an edge or an invalid reply leaves the cell unchanged, so a deterministic walk then never arrives."""
+    move_at = {(map_rows, cell): int(move) for (map_rows, cell, _), move in zip(states, greedy_moves)}
+    wins = []
+    for map_rows in dict.fromkeys(map_rows for map_rows, _, _ in states):
+        cell, won = envs.cells_with(map_rows, "S")[0], False
+        for _ in range(max_steps):
+            move = move_at.get((map_rows, cell), -1)  # a cell not probed counts as an invalid reply
+            if move < 0:
+                break
+            cell = envs.frozen_lake_slide(map_rows, cell, move)
+            if map_rows[cell[0]][cell[1]] in "HG":
+                won = map_rows[cell[0]][cell[1]] == "G"
+                break
+        wins.append(won)
+    return float(np.mean(wins))
 
 # 11. Run folder: everything needed to inspect, plot and resume a run -----------------------------
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
@@ -956,6 +990,9 @@ def plot_curves(run_dir: Path) -> None:
             values = [e[score] for e in points]
             axes[0].errorbar([e["iteration"] for e in points], values, fmt="o-", capsize=3, label=label,
                              yerr=np.abs(np.array([e[interval] for e in points]).T - values))
+    if greedy_probed := [m for m in probed if "probe_greedy_success" in m]:
+        axes[0].plot([m["iteration"] for m in greedy_probed], [m["probe_greedy_success"] for m in greedy_probed],
+                     "s--", label="probe maps (training), greedy from S")
     if score == "success_rate":
         axes[0].set_ylim(-0.02, 1.02)
     axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
@@ -971,7 +1008,11 @@ def plot_curves(run_dir: Path) -> None:
         axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
         axes[3].set_ylim(bottom=0)
     titles = [score.replace("_", " "), "training rollouts", "collapse and signal", "map reading (probe)"]
+    late_after = config.get("late_after", 0)
     for ax, title in zip(axes, titles):
+        if late_after and x[-1] > late_after:  # where the late phase's rate and temperature begin
+            ax.axvline(late_after + 0.5, color="gray", linestyle=":",
+                       label=f"late phase: lr {config.get('late_lr')}, T {config.get('late_temperature')}")
         ax.set(title=title, xlabel="iteration")
         ax.legend()
     fig.tight_layout()
@@ -982,13 +1023,15 @@ def plot_curves(run_dir: Path) -> None:
 # its range would fail late (after the model loads) or run and learn nothing, so validate_config stops first.
 NUMERIC_FLAGS = [
     ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 12 on the CPU)",
+    ("iterations", int, "training iterations (0: 100 on CUDA, 80 on the CPU)",
      lambda v: v >= 1, "at least 1 (0: the device's default)"),
     ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
     ("group-size", int, "G: episodes per start state",
      lambda v: v >= 2, "at least 2: an episode is judged against its group, so a group of one never learns"),
-    ("temperature", float, "sampling temperature",
+    ("temperature", float, "rollout sampling temperature of the early phase",
      lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
+    ("late-temperature", float, "rollout sampling temperature after --late-after iterations",
+     lambda v: v > 0, "above 0"),
     ("max-new-tokens", int, "tokens per response (0: 6, or 256 with --think)",
      lambda v: v >= 1, "at least 1"),
     ("invalid-penalty", float, "reward added for an unparseable or illegal response", None, ""),
@@ -999,9 +1042,10 @@ NUMERIC_FLAGS = [
      lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
     ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
      lambda v: v >= 1, "at least 1"),
-    ("lr", float, "AdamW learning rate", lambda v: v > 0, "above 0"),
-    ("lr-drop-after", int, "iterations at --lr, then --late-lr (0: --lr throughout)", lambda v: v >= 0, "at least 0"),
-    ("late-lr", float, "AdamW learning rate after --lr-drop-after iterations", lambda v: v > 0, "above 0"),
+    ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
+                        "(--late-lr, --late-temperature); 0: the early phase throughout", lambda v: v >= 0, "at least 0"),
+    ("lr", float, "AdamW learning rate of the early phase", lambda v: v > 0, "above 0"),
+    ("late-lr", float, "AdamW learning rate after --late-after iterations", lambda v: v > 0, "above 0"),
     ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
     ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
     ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
@@ -1044,8 +1088,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
                    help="divide advantages by the group's std, as the paper does (default off: R - mean)")
     p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
-                   help="each trained episode weighs the same in the loss, whatever its length (default off: "
-                        "a plain mean over all response tokens)")
+                   help="each trained episode weighs the same in the loss, whatever its length (default on; "
+                        "off: a plain mean over all response tokens)")
     p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
                    help="start training games on a random ice cell, Frozen Lake only (default on); "
                         "held-out evaluation starts at S")

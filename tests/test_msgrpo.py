@@ -436,21 +436,26 @@ def test_flags_given_with_resume_are_used_and_saved(tmp_path):
     assert (saved["lr"], saved["iterations"]) == (5e-5, 2)
 
 
-def test_the_rate_drops_to_late_lr_after_lr_drop_after_iterations(tmp_path):
-    cfg = msgrpo.Config(lr=2e-4, lr_drop_after=12, late_lr=5e-5)
-    assert [msgrpo.learning_rate(cfg, i) for i in (1, 12, 13, 100)] == [2e-4, 2e-4, 5e-5, 5e-5]
-    assert msgrpo.learning_rate(msgrpo.dataclasses.replace(cfg, lr_drop_after=0), 100) == 2e-4
+def test_the_late_phase_lowers_the_rate_and_heats_the_rollouts_after_late_after_iterations(tmp_path):
+    cfg = msgrpo.Config(late_after=12, lr=2e-4, late_lr=5e-5, temperature=1.0, late_temperature=2.0)
+    assert [msgrpo.phase_settings(cfg, i) for i in (1, 12, 13, 100)] == [(2e-4, 1.0), (2e-4, 1.0),
+                                                                       (5e-5, 2.0), (5e-5, 2.0)]
+    assert msgrpo.phase_settings(msgrpo.dataclasses.replace(cfg, late_after=0), 100) == (2e-4, 1.0)
     seen = []
     original = msgrpo.train_iteration
 
-    def spy(model, optimizer, *args):
-        seen.append(optimizer.param_groups[0]["lr"])
-        return original(model, optimizer, *args)
+    def spy(model, optimizer, tokenizer, cfg, *args):
+        seen.append((optimizer.param_groups[0]["lr"], cfg.temperature))
+        return original(model, optimizer, tokenizer, cfg, *args)
 
+    run = tmp_path / "run"
     with mock.patch.object(msgrpo, "train_iteration", spy):
-        msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--lr-drop-after", "1", "--late-lr", "1e-5",
-                                "--run-dir", str(tmp_path / "run")])
-    assert seen == [1e-3, 1e-5]
+        msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--late-after", "1", "--late-lr", "1e-5",
+                                "--temperature", "0.7", "--late-temperature", "1.5", "--run-dir", str(run)])
+    assert seen == [(1e-3, 0.7), (1e-5, 1.5)]
+    logged = [(m["lr"], m["temperature"]) for m in msgrpo.read_metrics(run)]
+    assert logged == seen
+    assert msgrpo.load_config(run).temperature == 0.7  # the phase's temperature is not saved as the run's
 
 
 def test_bad_cli_input_fails_clearly(capsys):
@@ -567,7 +572,8 @@ def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
 
 # --- the map-reading probe -----------------------------------------------------------------------
 
-PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right") for kind in ("hole", "ice", "ratio")}
+PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right") for kind in ("hole", "ice", "ratio")} | {
+    "probe_greedy_success"}
 
 
 def test_probe_states_are_every_open_cell_of_training_maps_as_the_game_shows_them():
@@ -603,9 +609,9 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     states = [(map_rows, cell, f"observation {i}") for i, cell in enumerate(table)]
     probabilities = np.array([[0.0, down, right, 0.0] for down, right in table.values()])
 
-    def fake_move_probabilities(model, tokenizer, cfg, observations):
-        assert observations == [obs for _, _, obs in states]
-        return probabilities
+    def fake_move_probabilities(model, tokenizer, cfg, observations, greedy=False):
+        assert observations == [obs for _, _, obs in states] and greedy
+        return probabilities, probabilities.argmax(1)
 
     monkeypatch.setattr(msgrpo, "move_probabilities", fake_move_probabilities)
     result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
@@ -618,6 +624,23 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     states = states[1:2]
     result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
     assert math.isnan(result["probe_down_hole"]) and math.isnan(result["probe_down_ratio"])
+
+
+def test_greedy_probe_success_walks_each_map_from_s_with_the_greedy_moves():
+    left, down, right, up = range(4)
+    winner, faller = ("SFF", "HFH", "FFG"), ("SFF", "FHF", "FFG")
+    route = {(0, 0): right, (0, 1): down, (1, 1): down, (2, 1): right}  # S -> G on `winner`
+    states, moves = [], []
+    for map_rows in (winner, faller):
+        for cell in msgrpo.envs.cells_with(map_rows, "F") + msgrpo.envs.cells_with(map_rows, "S"):
+            states.append((map_rows, cell, "observation"))
+            moves.append(route.get(cell, up))
+    assert msgrpo.probe_greedy_success(states, moves, max_steps=16) == 0.5  # `faller` has a hole at (1, 1)
+    assert msgrpo.probe_greedy_success(states, moves, max_steps=3) == 0.0  # 4 moves needed
+    stuck = [-1 if (m, cell) == (winner, (1, 1)) else move for (m, cell, _), move in zip(states, moves)]
+    assert msgrpo.probe_greedy_success(states, stuck, max_steps=16) == 0.0  # an invalid reply stays put
+    into_edge = [up if (m, cell) == (winner, (0, 0)) else move for (m, cell, _), move in zip(states, moves)]
+    assert msgrpo.probe_greedy_success(states, into_edge, max_steps=16) == 0.0
 
 
 def test_the_probe_applies_to_frozen_lake_with_the_prefilled_action_only():
@@ -663,7 +686,7 @@ def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
     line = {"iteration": 1, "success_rate": 0.1, "mean_return": 0.1, "invalid_rate": 0.2, "distinct_responses": 0.5,
             "entropy": 1.0, "zero_variance_groups": 1}
     probe = {"probe_down_hole": 0.5, "probe_down_ice": 0.5, "probe_down_ratio": 1.0,
-             "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25}
+             "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25, "probe_greedy_success": 0.5}
     widths = {}
     for name, rows in [("probed", [{**line, **probe}, {**line, "iteration": 2}, {**line, **probe, "iteration": 3,
                                                                                   "probe_down_ratio": math.nan}]),
