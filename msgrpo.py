@@ -63,14 +63,13 @@ class Config:
     groups: int = 8  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
     # Training runs in two phases. Early (the first late_after iterations): the model learns the reply
-    # format at lr and T = temperature. At T = 2 too early, replies are mostly unparseable (0.86 of them
-    # after 12 iterations, when T = 1 gave 0.10). Late: once the policy is sure of its first move, at
-    # T = 1 all G episodes of a group make it, their returns are equal and the group teaches nothing:
-    # rollouts sample at late_temperature (and the loss scores at it), so that about one in eight tries
-    # another move, at the lower late_lr.
+    # format at lr and T = temperature. Late: once the policy is sure of its first move, at T = 1 all G
+    # episodes of a group make it, their returns are equal and the group teaches nothing, so rollouts
+    # sample hotter (and the loss scores at the same T), at the lower late_lr. Not too hot: after 25
+    # iterations, T = 2 made 0.53-0.60 of the replies unparseable; T = 1.5, 0.06-0.08 (NOTES.md).
     late_after: int = 25  # 0 = one phase: lr and temperature throughout
     temperature: float = 1.0
-    late_temperature: float = 2.0
+    late_temperature: float = 1.5
     lr: float = 2e-4
     late_lr: float = 1e-4
     # Training games start on a random ice cell one move from a hole (Frozen Lake): a group's first move
@@ -1009,11 +1008,14 @@ def plot_curves(run_dir: Path) -> None:
         axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
         axes[3].set_ylim(bottom=0)
     titles = [score.replace("_", " "), "training rollouts", "collapse and signal", "map reading (probe)"]
-    late_after = config.get("late_after", 0)
+    # Where the rate or the rollout temperature changed: the late phase, or a flag given with --resume.
+    changes = [m for before, m in zip(metrics, metrics[1:]) if "temperature" in m and "temperature" in before
+               and (before["lr"], before["temperature"]) != (m["lr"], m["temperature"])]
+    for i, ax in enumerate(axes):
+        for m in changes:
+            ax.axvline(m["iteration"] - 0.5, color="gray", linestyle=":",
+                       label=f"from {m['iteration']}: lr {m['lr']:g}, T {m['temperature']:g}" if i == 0 else None)
     for ax, title in zip(axes, titles):
-        if late_after and x[-1] > late_after:  # where the late phase's rate and temperature begin
-            ax.axvline(late_after + 0.5, color="gray", linestyle=":",
-                       label=f"late phase: lr {config.get('late_lr')}, T {config.get('late_temperature')}")
         ax.set(title=title, xlabel="iteration")
         ax.legend()
     fig.tight_layout()

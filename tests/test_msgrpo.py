@@ -688,8 +688,9 @@ def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
     probe = {"probe_down_hole": 0.5, "probe_down_ice": 0.5, "probe_down_ratio": 1.0,
              "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25, "probe_greedy_success": 0.5}
     widths = {}
-    for name, rows in [("probed", [{**line, **probe}, {**line, "iteration": 2}, {**line, **probe, "iteration": 3,
-                                                                                  "probe_down_ratio": math.nan}]),
+    phases = [{"lr": 2e-4, "temperature": 1.0}, {"lr": 2e-4, "temperature": 1.0}, {"lr": 1e-4, "temperature": 1.5}]
+    for name, rows in [("probed", [{**line, **probe, **phases[0]}, {**line, "iteration": 2, **phases[1]},
+                                   {**line, **probe, "iteration": 3, "probe_down_ratio": math.nan, **phases[2]}]),
                        ("snake", [line, {**line, "iteration": 2}])]:
         run = tmp_path / name
         run.mkdir()
