@@ -529,6 +529,8 @@ class POADConfig(msgrpo.Config):
     gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
     gae_lambda: float = 0.95
     vf_coef: float = 0.5  # weight of the value loss; eps_clip also clips the value change (CleanRL's ppo.py)
+    # PPO's several optimizer steps per iteration, as results/algo_comparison ran: a critic that starts
+    minibatch: int = 32  # at V = 0 learns from more than MS-GRPO's one step per batch of rollouts
 
     def __post_init__(self):
         if self.algo not in CRITIC_ALGOS:

@@ -58,7 +58,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    # 0 = 100 on CUDA, 80 on the CPU; --resume RUN --iterations N goes on
+    # 0 = 100 on CUDA, 55 on the CPU; --resume RUN --iterations N goes on
     iterations: int = 0
     groups: int = 8  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
@@ -66,7 +66,7 @@ class Config:
     # format at lr and T = temperature. Late: once the policy is sure of its first move, at T = 1 all G
     # episodes of a group make it, their returns are equal and the group teaches nothing, so rollouts
     # sample hotter (and the loss scores at the same T), at the lower late_lr. Not too hot: after 25
-    # iterations, T = 2 made 0.53-0.60 of the replies unparseable; T = 1.5, 0.06-0.08 (NOTES.md).
+    # iterations, T = 2 made 0.53-0.60 of the replies unparseable; T = 1.5 from 31, 0.06-0.08 (NOTES.md).
     late_after: int = 25  # 0 = one phase: lr and temperature throughout
     temperature: float = 1.0
     late_temperature: float = 1.5
@@ -107,7 +107,7 @@ def resolve_defaults(cfg: Config) -> Config:
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
     cuda = torch.cuda.is_available()
     return dataclasses.replace(cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL),
-                               iterations=cfg.iterations or (100 if cuda else 80),
+                               iterations=cfg.iterations or (100 if cuda else 55),
                                max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
                                micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
                                eval_batch=cfg.eval_batch or (32 if cuda else 64),
@@ -785,8 +785,8 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
         probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
                             into a hole it is shown (NaN where a group is empty or ice is 0)
         probe_greedy_success  the fraction of the probe maps the greedy policy wins from S
-    A ratio is not a player: one that falls because the move stopped being played onto ice too
-    reads as "reading". probe_greedy_success says whether the argmax moves still reach the goal."""
+    A low ratio is not yet a player: the move may have stopped being played where it is safe too.
+    probe_greedy_success says whether the argmax moves still reach the goal."""
     probabilities, greedy_moves = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states], greedy=True)
     result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves,
                                                            envs.make(cfg.env, **env_options(cfg)).max_steps)}
@@ -1026,7 +1026,7 @@ def plot_curves(run_dir: Path) -> None:
 # its range would fail late (after the model loads) or run and learn nothing, so validate_config stops first.
 NUMERIC_FLAGS = [
     ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 80 on the CPU)",
+    ("iterations", int, "training iterations (0: 100 on CUDA, 55 on the CPU)",
      lambda v: v >= 1, "at least 1 (0: the device's default)"),
     ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
     ("group-size", int, "G: episodes per start state",
@@ -1094,7 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each trained episode weighs the same in the loss, whatever its length (default on; "
                         "off: a plain mean over all response tokens)")
     p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
-                   help="start training games on a random ice cell, Frozen Lake only (default on); "
+                   help="start training games on an ice cell one move from a hole, Frozen Lake only (default on); "
                         "held-out evaluation starts at S")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
