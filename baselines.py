@@ -530,7 +530,8 @@ class POADConfig(msgrpo.Config):
     gae_lambda: float = 0.95
     vf_coef: float = 0.5  # weight of the value loss; eps_clip also clips the value change (CleanRL's ppo.py)
     # PPO's several optimizer steps per iteration, as results/algo_comparison ran: a critic that starts
-    minibatch: int = 32  # at V = 0 learns from more than MS-GRPO's one step per batch of rollouts
+    # at V = 0 learns from more than MS-GRPO's one step per batch of rollouts.
+    minibatch: int = 32
 
     def __post_init__(self):
         if self.algo not in CRITIC_ALGOS:
