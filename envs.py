@@ -359,7 +359,7 @@ class FrozenLake(TextGame):
     actions = FROZEN_LAKE_ACTIONS
     defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
                     start="S")
-    starts = ("S", "ice", "beside_hole")
+    starts = ("S", "ice", "beside_hole", "hole_toward_goal")
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -380,15 +380,29 @@ class FrozenLake(TextGame):
         self.position = self.start_cell()
 
     def start_cell(self):
-        """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell ("ice"), or
-        an ice cell one move from a hole ("beside_hole", any ice cell on a map without one)."""
+        """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell ("ice"), an
+        ice cell one move from a hole ("beside_hole"), or one where a move toward the goal walks into a
+        hole ("hole_toward_goal": the moves a player heading for G makes are the ones worth testing);
+        any ice cell on a map without such a cell."""
         if self.start == "S":
             return cells_with(self.map, "S")[0]
         ice = cells_with(self.map, "S") + cells_with(self.map, "F")
-        beside_hole = [cell for cell in ice if any(walks_onto(self.map, cell, action) == "hole"
-                                                   for action in range(len(self.actions)))]
-        cells = beside_hole if self.start == "beside_hole" and beside_hole else ice
+        if self.start == "ice":
+            return ice[self.rng.integers(len(ice))]
+        tested = {cell: range(len(self.actions)) if self.start == "beside_hole" else self.moves_toward_goal(cell)
+                  for cell in ice}
+        cells = [cell for cell in ice if any(walks_onto(self.map, cell, a) == "hole" for a in tested[cell])] or ice
         return cells[self.rng.integers(len(cells))]
+
+    def moves_toward_goal(self, cell):
+        """The moves that bring `cell` one step nearer the goal (on a firm map)."""
+        goal_row, goal_col = cells_with(self.map, "G")[0]
+
+        def distance(row, col):
+            return abs(goal_row - row) + abs(goal_col - col)
+
+        return [action for action in range(len(self.actions))
+                if distance(*frozen_lake_slide(self.map, cell, action)) < distance(*cell)]
 
     def is_legal(self, action):
         return True  # every move is allowed; edges just stop you

@@ -72,8 +72,9 @@ class Config:
     late_temperature: float = 1.5
     lr: float = 2e-4
     late_lr: float = 1e-4
-    # Training games start on a random ice cell one move from a hole (Frozen Lake): a group's first move
-    exploring_starts: bool = True  # then decides its return. Evaluation and the probe start at S.
+    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): beside_hole, a random ice cell
+    # one move from a hole, so a group's first move decides its return; S, Gymnasium's start; ice;
+    training_start: str = "beside_hole"  # hole_toward_goal. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -117,9 +118,9 @@ def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
 
 def training_env_options(cfg: Config) -> dict:
-    """The game options of training rollouts: env_options, plus starts beside a hole with exploring_starts."""
-    exploring = cfg.exploring_starts and "start" in envs.GAMES[cfg.env].defaults
-    return {**env_options(cfg), **({"start": "beside_hole"} if exploring else {})}
+    """The game options of training rollouts: env_options, plus cfg.training_start in a game that has starts."""
+    exploring = cfg.training_start != "S" and "start" in envs.GAMES[cfg.env].defaults
+    return {**env_options(cfg), **({"start": cfg.training_start} if exploring else {})}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
 SYSTEM_PROMPT = "You are playing a grid game."
@@ -525,34 +526,35 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
         with torch.no_grad(), packed_4bit_weights(model):
             old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb] for mb in batches]
     stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
-    for _ in range(cfg.epochs):
-        for m, minibatch in enumerate(batches):
-            optimizer.zero_grad(set_to_none=True)
-            total_tokens = sum(b.response_tokens() for b in minibatch)
-            logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
-            for j, batch in enumerate(minibatch):
-                logp, mask = response_logprobs(model, batch, cfg.temperature)
-                logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
-                loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
-                kl = torch.zeros((), device=logp.device)
-                if cfg.beta > 0:
-                    with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
-                        logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
-                    kl = kl_to_reference(logp, logp_ref, mask)
-                    loss = loss + cfg.beta * kl
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss {loss.item()}")
-                weight = mask.sum().item() / total_tokens
-                (loss * weight).backward()  # token mean over the whole minibatch
-                clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
-                logged["loss"] += loss.item() * weight
-                logged["clip_frac"] += clipped.sum().item() / total_tokens
-                logged["kl"] += kl.item() * weight
-            for name, value in logged.items():
-                stats[name].append(value)
-            params = [p for p in model.parameters() if p.requires_grad]
-            stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
-            optimizer.step()
+    with dequantized_4bit_weights(model):  # the same numbers as the 4-bit layers, cheaper (appendix)
+        for _ in range(cfg.epochs):
+            for m, minibatch in enumerate(batches):
+                optimizer.zero_grad(set_to_none=True)
+                total_tokens = sum(b.response_tokens() for b in minibatch)
+                logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
+                for j, batch in enumerate(minibatch):
+                    logp, mask = response_logprobs(model, batch, cfg.temperature)
+                    logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
+                    loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
+                    kl = torch.zeros((), device=logp.device)
+                    if cfg.beta > 0:
+                        with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
+                            logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
+                        kl = kl_to_reference(logp, logp_ref, mask)
+                        loss = loss + cfg.beta * kl
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"non-finite loss {loss.item()}")
+                    weight = mask.sum().item() / total_tokens
+                    (loss * weight).backward()  # token mean over the whole minibatch
+                    clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
+                    logged["loss"] += loss.item() * weight
+                    logged["clip_frac"] += clipped.sum().item() / total_tokens
+                    logged["kl"] += kl.item() * weight
+                for name, value in logged.items():
+                    stats[name].append(value)
+                params = [p for p in model.parameters() if p.requires_grad]
+                stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
+                optimizer.step()
     return {name: float(np.mean(values)) for name, values in stats.items()}
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
@@ -857,6 +859,8 @@ def load_config(run_dir: Path, config_class=Config) -> Config:
     settings it does not record (added since it ran) get this device's defaults."""
     known = {f.name for f in dataclasses.fields(config_class)}
     saved = load_json(Path(run_dir) / "config.json")
+    if "exploring_starts" in saved and "training_start" not in saved:  # written before starts had names
+        saved["training_start"] = "beside_hole" if saved["exploring_starts"] else "S"
     return resolve_defaults(config_class(**{k: v for k, v in saved.items() if k in known}))
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -1093,9 +1097,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
                    help="each trained episode weighs the same in the loss, whatever its length (default on; "
                         "off: a plain mean over all response tokens)")
-    p.add_argument("--exploring-starts", action=argparse.BooleanOptionalAction,
-                   help="start training games on an ice cell one move from a hole, Frozen Lake only (default on); "
-                        "held-out evaluation starts at S")
+    p.add_argument("--training-start", choices=envs.FrozenLake.starts,
+                   help=f"where training games start, Frozen Lake only (default {d.training_start}: an ice cell "
+                        "one move from a hole; hole_toward_goal: one where a move toward the goal walks into "
+                        "a hole; S: Gymnasium's start); held-out evaluation starts at S")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")
@@ -1157,9 +1162,11 @@ def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False, 
         fail(f"--env-opt: {error}")
     if warning := envs.pointless_options_warning(game):
         print(f"{cfg.env}: {warning}", file=sys.stderr)
-    if cfg.env_options.get("start", "S") != "S":  # exploring_starts is the setting that moves training only
+    if cfg.training_start not in envs.FrozenLake.starts:
+        fail(f"--training-start is {cfg.training_start}; it must be one of {', '.join(envs.FrozenLake.starts)}")
+    if cfg.env_options.get("start", "S") != "S":  # training_start is the setting that moves training only
         print(f"{cfg.env}: warning: start={cfg.env_options['start']} also moves where held-out evaluation and "
-              f"the probe start; --exploring-starts moves training games only", file=sys.stderr)
+              f"the probe start; --training-start moves training games only", file=sys.stderr)
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--run-dir {run_dir} is a file, not a folder")
@@ -1216,6 +1223,31 @@ def packed_4bit_weights(model):
     finally:
         for layer, (data, quant_state) in trainable.items():
             layer.weight.data, layer.weight.quant_state = data, quant_state
+
+@contextmanager
+def dequantized_4bit_weights(model):
+    """Train with each 4-bit base weight dequantized once and kept. bitsandbytes' differentiable CPU path
+    dequantizes every weight in every forward and again in every backward (y = x W^T needs W; so does
+    dL/dx = dL/dy W), though W is the same matrix each time: the base never changes. Here each layer
+    computes y = x W^T with its kept W, the same numbers bitsandbytes computes. The price is the fp32
+    copy (~0.4 GB for SmolLM2-135M), so this runs on the CPU only; elsewhere it does nothing."""
+    import bitsandbytes as bnb
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+    for layer in layers:
+        if not hasattr(layer, "dequantized_weight"):
+            if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
+                raise RuntimeError("dequantized_4bit_weights inside packed_4bit_weights: nest them the other way")
+            layer.dequantized_weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        layer.forward = functools.partial(linear_with_dequantized_weight, layer)  # shadows the class's forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.dequantized_weight.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, None if layer.bias is None else layer.bias.to(x.dtype))
 
 def model_path(name: str) -> str:
     if name == "smollm2-135m":

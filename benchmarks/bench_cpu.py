@@ -1,4 +1,4 @@
-"""What reading shared tokens once saves, measured side by side in one run on the same rollouts.
+"""What doing shared work once saves, measured side by side in one run on the same rollouts.
 
     python benchmarks/bench_cpu.py                      # SmolLM2-135M, 2 groups x 8 episodes
     python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4
@@ -8,7 +8,9 @@ episodes of a group start from the same observation. Two ways to run the same wo
     plain    every row read whole; the stop-at-</action> criterion built on every generate call
     once     the shared prefix run once and its keys and values reused by every row (prefix
              caching); in generate, each distinct prompt read once and its cache copied to the rows
-             that hold it; identical steps of a minibatch read once; the criterion built once
+             that hold it; identical steps of a minibatch read once; the criterion built once; in
+             training, each 4-bit base weight dequantized once and kept, not in every forward and
+             every backward
 (a) a rollout step: real MS-GRPO rollouts (B groups x G episodes in lockstep), seconds per env step;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
     minibatches and micro-batches, seconds per step.
@@ -17,6 +19,7 @@ speed-ups; --out writes it to a file too.
 """
 
 import argparse
+import contextlib
 import functools
 import resource
 import statistics
@@ -66,12 +69,13 @@ def rollouts(model, tokenizer, cfg, seeds, once: bool):
 def trained_steps(model, tokenizer, cfg, steps, once: bool):
     """Forward + backward over every step, in the update's micro-batches (no optimizer step); returns
     the number of steps."""
-    for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
-        model.zero_grad(set_to_none=True)
-        for micro in minibatch:
-            batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=once)
-            logp, mask = msgrpo.response_logprobs(model, batch, cfg.temperature)
-            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+    with msgrpo.dequantized_4bit_weights(model) if once else contextlib.nullcontext():
+        for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
+            model.zero_grad(set_to_none=True)
+            for micro in minibatch:
+                batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=once)
+                logp, mask = msgrpo.response_logprobs(model, batch, cfg.temperature)
+                msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
     return len(steps)
 
 

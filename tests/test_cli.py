@@ -48,6 +48,14 @@ def test_a_start_game_option_warns_that_evaluation_starts_there_too(tmp_path, ca
     assert capsys.readouterr().err == ""
 
 
+def test_training_starts_are_checked_and_old_runs_keep_theirs(tmp_path):
+    with pytest.raises(SystemExit, match="--training-start is corner; it must be one of S, ice, beside_hole"):
+        msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(training_start="corner", run_dir=str(tmp_path))))
+    for exploring, start in ((True, "beside_hole"), (False, "S")):  # config.json before starts had names
+        (tmp_path / "config.json").write_text(json.dumps({"env": "frozen_lake", "exploring_starts": exploring}))
+        assert msgrpo.load_config(tmp_path).training_start == start
+
+
 def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     assert "is a file" in stopped(["--run-dir", str(tmp_path / "file")])

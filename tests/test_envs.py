@@ -172,9 +172,23 @@ def test_exploring_starts_put_you_on_ice_or_beside_a_hole_chosen_by_the_seed():
     obs, _ = anywhere.reset(seed=1)
     row, col = anywhere.position
     assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs  # the text is written from where you start
-    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole"):
+    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole, hole_toward_goal"):
         envs.make("frozen_lake", start="corner")
     assert envs.option_from_text("frozen_lake", "start", " beside_hole ") == "beside_hole"
+
+
+def test_starts_with_a_hole_toward_the_goal_test_only_the_moves_that_near_it():
+    # SFFF / FHFH / FFFH / HFFG, goal at (3, 3): down and right near it wherever they move you. (0, 1):
+    # down is the hole (1, 1). (2, 1) and (3, 1) are beside a hole too, but it lies up or left, behind them.
+    toward = envs.make("frozen_lake", map="classic", start="hole_toward_goal")
+    assert {toward.reset(seed=seed)[1]["position"] for seed in range(200)} == {
+        (0, 1), (0, 3), (1, 0), (1, 2), (2, 0), (2, 2)}
+    assert toward.moves_toward_goal((3, 1)) == [envs.FROZEN_LAKE_ACTIONS.index("right")]  # down: the edge
+    upside_down = envs.make("frozen_lake", map=["GFH", "FFS"], start="hole_toward_goal")  # the goal top left
+    assert {upside_down.reset(seed=seed)[1]["position"] for seed in range(50)} == {(1, 2)}  # up walks into H
+    assert upside_down.moves_toward_goal((1, 1)) == [envs.FROZEN_LAKE_ACTIONS.index(m) for m in ("left", "up")]
+    holeless = envs.make("frozen_lake", map=["SF", "FG"], start="hole_toward_goal")
+    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (0, 1), (1, 0)}
 
 
 def test_frozen_lake_goal_hole_and_info():

@@ -1,5 +1,6 @@
 """MS-GRPO's math against hand-computed values, and the trainer on the tiny model."""
 
+import contextlib
 import json
 import math
 from unittest import mock
@@ -277,6 +278,38 @@ def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
         torch.testing.assert_close(cached_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_gradients():
+    """Each 4-bit base weight dequantized once and kept must give what bitsandbytes computes, forward
+    and backward, and the layers must be bitsandbytes' own again afterwards."""
+    import bitsandbytes as bnb
+
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    for module in model.modules():  # a trained adapter: B = 0 at init would make most gradients 0
+        if hasattr(module, "lora_B"):
+            for weight in module.lora_B.values():
+                torch.nn.init.normal_(weight.weight, std=0.1)
+    batch = msgrpo.collate_steps(_lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"]),
+                                 tokenizer.pad_token_id, read_once=True)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    model.train()
+    results = {}
+    for kept in (False, True):
+        model.zero_grad()
+        with msgrpo.dequantized_4bit_weights(model) if kept else contextlib.nullcontext():
+            assert all(("forward" in vars(layer)) == (kept and not torch.cuda.is_available()) for layer in layers)
+            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
+            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+        results[kept] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert not any("forward" in vars(layer) for layer in layers)  # bitsandbytes' forward is back
+    (plain, plain_grads), (kept, kept_grads) = results[False], results[True]
+    assert (plain - kept)[mask.bool()].abs().max() < 1e-5
+    assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
     steps = [([1, 2, k % 3], [7], float(k)) for k in range(10)]
     cfg = msgrpo.Config(minibatch=5, micro_batch=2)
@@ -292,9 +325,9 @@ def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, group_size=2, env_options={"max_steps": 1})
-    assert msgrpo.training_env_options(cfg)["start"] == "beside_hole"
+    assert msgrpo.training_env_options(cfg)["start"] == msgrpo.Config.training_start
     assert "start" not in msgrpo.env_options(cfg)  # evaluation and the probe start at S
-    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, exploring_starts=False))
+    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, training_start="S"))
     assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, env="snake"))
     torch.manual_seed(0)
     seeds = list(range(8))

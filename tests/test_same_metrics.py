@@ -22,7 +22,7 @@ import msgrpo
 FIXTURE = Path(__file__).resolve().parent / "data" / "tiny_run_metrics.json"
 RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "2", "--iterations", "2",
        "--env-opt", "max_steps=4", "--eval-episodes", "0", "--probe-every", "1", "--seed", "0",
-       "--no-exploring-starts"]  # the recorded runs start every game at S
+       "--training-start", "S"]  # the recorded runs start every game at S
 TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
 
 
