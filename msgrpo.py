@@ -790,8 +790,11 @@ def map_reading_probe(model, tokenizer, cfg: Config, states: list[tuple]) -> dic
     A low ratio is not yet a player: the move may have stopped being played where it is safe too.
     probe_greedy_success says whether the argmax moves still reach the goal."""
     probabilities, greedy_moves = move_probabilities(model, tokenizer, cfg, [obs for _, _, obs in states], greedy=True)
-    result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves,
-                                                           envs.make(cfg.env, **env_options(cfg)).max_steps)}
+    return probe_summary(states, probabilities, greedy_moves, envs.make(cfg.env, **env_options(cfg)).max_steps)
+
+def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves, max_steps: int) -> dict:
+    """map_reading_probe's numbers from any policy's move probabilities [N, 4] and greedy moves [N]."""
+    result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves, max_steps)}
     for name in ("down", "right"):
         move = envs.FROZEN_LAKE_ACTIONS.index(name)
         onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states], dtype=object)

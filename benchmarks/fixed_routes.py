@@ -6,9 +6,13 @@ A policy that ignores the holes and always walks the same route ("right to the e
 wins exactly the held-out maps on which that route is hole-free. A trained greedy policy must beat
 the best of these to show it reads the map.
 
-The second table is the other reference: a rule that reads only the observation's "Next to you"
-line ("down unless that is a hole or the edge, else right") and plays it greedily. It shows what
-reading one line of the prompt is worth.
+The second table is the other reference: rules that read the observation's "Next to you" line
+("down unless that is a hole or the edge, else right") and play greedily. They show what reading
+one line of the prompt is worth.
+
+The third table scores those rules with the trainer's map-reading probe (msgrpo.probe_summary, on
+msgrpo's probe states): what a policy that reads only what lies below it gets for P(right) into a
+hole / onto ice, next to one that also reads what lies to its right.
 """
 
 import argparse
@@ -16,8 +20,11 @@ import itertools
 import sys
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
+import msgrpo  # noqa: E402
 
 
 def route_cells(route: str) -> list[tuple[int, int]]:
@@ -33,17 +40,33 @@ def clear_fraction(route: str, maps: list) -> float:
     return sum(all(m[r][c] != "H" for r, c in route_cells(route)) for m in maps) / len(maps)
 
 
-def neighbour_rule_wins(map_rows, first, second) -> bool:
-    """Greedy play of "move `first` unless it walks onto a hole or the edge, else `second`"."""
+def rule_move(map_rows, cell, preference) -> int:
+    """The first move of `preference` (move names) that walks onto neither a hole nor the edge; the
+    last one if each does."""
+    moves = [envs.FROZEN_LAKE_ACTIONS.index(name) for name in preference]
+    return next((m for m in moves if envs.walks_onto(map_rows, cell, m) not in ("hole", "edge")), moves[-1])
+
+
+def neighbour_rule_wins(map_rows, *preference) -> bool:
+    """Greedy play of rule_move: e.g. ("down", "right"): down unless it walks onto a hole or the edge, else right."""
     game = envs.make("frozen_lake", map=list(map_rows))
     game.reset(seed=0)
-    first, second = game.actions.index(first), game.actions.index(second)
     done = False
     while not done:
-        blocked = envs.walks_onto(game.map, game.position, first) in ("hole", "edge")
-        _, _, terminated, truncated, info = game.step(second if blocked else first)
+        _, _, terminated, truncated, info = game.step(rule_move(game.map, game.position, preference))
         done = terminated or truncated
     return info["success"]
+
+
+def rule_on_the_probe(preference) -> dict:
+    """The map-reading probe's numbers (msgrpo.probe_summary) for greedy play of rule_move."""
+    cfg = msgrpo.Config()
+    states = envs.probe_states(msgrpo.PROBE_MAPS, msgrpo.PROBE_FIRST_SEED, **msgrpo.env_options(cfg))
+    moves = np.array([rule_move(map_rows, cell, preference) for map_rows, cell, _ in states])
+    return msgrpo.probe_summary(states, np.eye(4)[moves], moves, envs.make(cfg.env, **msgrpo.env_options(cfg)).max_steps)
+
+
+RULES = [("down", "right"), ("right", "down"), ("down", "right", "left", "up")]
 
 
 def main(argv=None):
@@ -57,9 +80,20 @@ def main(argv=None):
         print(f"| {route} | {clear_fraction(route, maps):.3f} |")
     print(f"\n| rule read from the neighbour line | wins on the first {args.maps} held-out maps, greedy |")
     print("| --- | ---: |")
-    for first, second in (("down", "right"), ("right", "down")):
-        wins = sum(neighbour_rule_wins(m, first, second) for m in maps)
-        print(f"| {first} unless hole or edge, else {second} | {wins / len(maps):.3f} |")
+    for preference in RULES:
+        wins = sum(neighbour_rule_wins(m, *preference) for m in maps)
+        print(f"| {rule_name(preference)} | {wins / len(maps):.3f} |")
+    print("\n| rule, on the map-reading probe | P(down) hole / ice (ratio) | P(right) hole / ice (ratio) "
+          "| probe maps won greedily |\n| --- | --- | --- | ---: |")
+    for preference in RULES:
+        probe = rule_on_the_probe(preference)
+        down, right = (f"{probe[f'probe_{m}_hole']:.2f} / {probe[f'probe_{m}_ice']:.2f} "
+                       f"({probe[f'probe_{m}_ratio']:.2f})" for m in ("down", "right"))
+        print(f"| {rule_name(preference)} | {down} | {right} | {probe['probe_greedy_success']:.2f} |")
+
+
+def rule_name(preference) -> str:
+    return f"{preference[0]} unless hole or edge, else " + ", else ".join(preference[1:])
 
 
 if __name__ == "__main__":

@@ -59,6 +59,19 @@ def test_the_neighbour_rule_steps_around_holes_a_fixed_route_falls_into():
     assert not fixed_routes.neighbour_rule_wins(stuck, "right", "down")
 
 
+def test_a_rule_that_reads_only_below_it_still_walks_right_into_holes_on_the_probe():
+    # ("down", "right") plays right wherever down is blocked, whatever lies to the right; the rule
+    # that falls back to left and up as well never walks into a hole it is shown, if it has another move.
+    assert fixed_routes.rule_move(["SH", "FG"], (0, 0), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("down")
+    cornered = ["FSH", "FHG"]  # at S both down and right walk into a hole
+    assert fixed_routes.rule_move(cornered, (0, 1), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("right")
+    assert fixed_routes.rule_move(cornered, (0, 1), ("down", "right", "left", "up")) == 0  # left
+    down_only, both = (fixed_routes.rule_on_the_probe(rule) for rule in (("down", "right"), fixed_routes.RULES[-1]))
+    assert down_only["probe_down_hole"] == 0 and down_only["probe_right_hole"] > 0
+    assert both["probe_down_hole"] == both["probe_right_hole"] == 0
+    assert down_only["probe_right_ice"] == both["probe_right_ice"]  # where right is ice the two agree
+
+
 def test_the_probe_groups_a_moves_probability_by_what_it_walks_onto():
     map_rows = ("SF", "HG")
     down, right = envs.FROZEN_LAKE_ACTIONS.index("down"), envs.FROZEN_LAKE_ACTIONS.index("right")
