@@ -72,9 +72,10 @@ class Config:
     late_temperature: float = 1.5
     lr: float = 2e-4
     late_lr: float = 1e-4
-    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): beside_hole, a random ice cell
-    # one move from a hole, so a group's first move decides its return; S, Gymnasium's start; ice;
-    training_start: str = "beside_hole"  # hole_toward_goal. Evaluation and the probe start at S.
+    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): hole_toward_goal, a random ice
+    # cell where down or right (a move toward the goal) walks into a hole, so a group's first move decides
+    # its return and tests a move the policy makes; beside_hole, any hole one move away (45% of those
+    training_start: str = "hole_toward_goal"  # have it left or up); ice; S. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -529,33 +530,40 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config, rng: np
     with dequantized_4bit_weights(model):  # the same numbers as the 4-bit layers, cheaper (appendix)
         for _ in range(cfg.epochs):
             for m, minibatch in enumerate(batches):
-                optimizer.zero_grad(set_to_none=True)
-                total_tokens = sum(b.response_tokens() for b in minibatch)
-                logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
-                for j, batch in enumerate(minibatch):
-                    logp, mask = response_logprobs(model, batch, cfg.temperature)
-                    logp_old = logp.detach() if old_logprobs is None else old_logprobs[m][j]
-                    loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
-                    kl = torch.zeros((), device=logp.device)
-                    if cfg.beta > 0:
-                        with torch.no_grad(), model.disable_adapter(), packed_4bit_weights(model):
-                            logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
-                        kl = kl_to_reference(logp, logp_ref, mask)
-                        loss = loss + cfg.beta * kl
-                    if not torch.isfinite(loss):
-                        raise FloatingPointError(f"non-finite loss {loss.item()}")
-                    weight = mask.sum().item() / total_tokens
-                    (loss * weight).backward()  # token mean over the whole minibatch
-                    clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
-                    logged["loss"] += loss.item() * weight
-                    logged["clip_frac"] += clipped.sum().item() / total_tokens
-                    logged["kl"] += kl.item() * weight
+                logged = optimizer_step(model, optimizer, minibatch, None if old_logprobs is None else old_logprobs[m], cfg)
                 for name, value in logged.items():
                     stats[name].append(value)
-                params = [p for p in model.parameters() if p.requires_grad]
-                stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item())
-                optimizer.step()
     return {name: float(np.mean(values)) for name, values in stats.items()}
+
+def optimizer_step(model, optimizer, minibatch: list[StepBatch], old_logprobs, cfg: Config) -> dict:
+    """One AdamW step on a minibatch, its gradient accumulated over micro-batches as a token mean over
+    the whole minibatch. old_logprobs: per micro-batch, or None when the ratio is exactly 1 (the
+    policy that sampled is this one). Returns the minibatch's loss, clip_frac, kl and grad_norm."""
+    optimizer.zero_grad(set_to_none=True)
+    total_tokens = sum(b.response_tokens() for b in minibatch)
+    logged = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}  # token means over the minibatch
+    for j, batch in enumerate(minibatch):
+        logp, mask = response_logprobs(model, batch, cfg.temperature)
+        logp_old = logp.detach() if old_logprobs is None else old_logprobs[j]
+        loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
+        kl = torch.zeros((), device=logp.device)
+        if cfg.beta > 0:
+            with torch.no_grad(), model.disable_adapter():
+                logp_ref, _ = response_logprobs(model, batch, cfg.temperature)
+            kl = kl_to_reference(logp, logp_ref, mask)
+            loss = loss + cfg.beta * kl
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        weight = mask.sum().item() / total_tokens
+        (loss * weight).backward()  # token mean over the whole minibatch
+        clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
+        logged["loss"] += loss.item() * weight
+        logged["clip_frac"] += clipped.sum().item() / total_tokens
+        logged["kl"] += kl.item() * weight
+    params = [p for p in model.parameters() if p.requires_grad]
+    logged["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+    optimizer.step()
+    return logged
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
                   rng: np.random.Generator) -> dict:
@@ -1102,8 +1110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "off: a plain mean over all response tokens)")
     p.add_argument("--training-start", choices=envs.FrozenLake.starts,
                    help=f"where training games start, Frozen Lake only (default {d.training_start}: an ice cell "
-                        "one move from a hole; hole_toward_goal: one where a move toward the goal walks into "
-                        "a hole; S: Gymnasium's start); held-out evaluation starts at S")
+                        "where a move toward the goal walks into a hole; beside_hole: one move from any hole; "
+                        "S: Gymnasium's start); held-out evaluation starts at S")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")
