@@ -72,10 +72,9 @@ class Config:
     late_temperature: float = 1.5
     lr: float = 2e-4
     late_lr: float = 1e-4
-    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): hole_toward_goal, a random ice
-    # cell where down or right (a move toward the goal) walks into a hole, so a group's first move decides
-    # its return and tests a move the policy makes; beside_hole, any hole one move away (45% of those
-    training_start: str = "hole_toward_goal"  # have it left or up); ice; S. Evaluation and the probe start at S.
+    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): beside_hole, a random ice cell
+    # one move from a hole, so a group's first move decides its return; hole_toward_goal, one where down or
+    training_start: str = "beside_hole"  # right walks into a hole; ice; S. Evaluation and the probe start at S.
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -1110,8 +1109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "off: a plain mean over all response tokens)")
     p.add_argument("--training-start", choices=envs.FrozenLake.starts,
                    help=f"where training games start, Frozen Lake only (default {d.training_start}: an ice cell "
-                        "where a move toward the goal walks into a hole; beside_hole: one move from any hole; "
-                        "S: Gymnasium's start); held-out evaluation starts at S")
+                        "one move from a hole; hole_toward_goal: one where a move toward the goal walks into "
+                        "a hole; S: Gymnasium's start); held-out evaluation starts at S")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")
