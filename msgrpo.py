@@ -1209,15 +1209,19 @@ def keep_4bit_weights_differentiable(model) -> None:
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
 
+def cpu_4bit_layers(model) -> list:
+    """The bitsandbytes 4-bit layers whose weights live on the CPU (none on CUDA)."""
+    import bitsandbytes as bnb
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+
 @contextmanager
 def packed_4bit_weights(model):
     """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with the
     differentiable one. On AVX512-BF16 CPUs the packed layout samples ~1.8x as fast but has no backward.
     The base never changes, so each layer packs a copy once and the layouts are swapped in and out
     (bitsandbytes' inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does nothing."""
-    import bitsandbytes as bnb
     from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+    layers = cpu_4bit_layers(model)
     if not layers or not has_avx512bf16():
         yield
         return
@@ -1242,7 +1246,7 @@ def dequantized_4bit_weights(model):
     computes y = x W^T with its kept W, the same numbers bitsandbytes computes. The price is the fp32
     copy (~0.4 GB for SmolLM2-135M), so this runs on the CPU only; elsewhere it does nothing."""
     import bitsandbytes as bnb
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+    layers = cpu_4bit_layers(model)
     for layer in layers:
         if not hasattr(layer, "dequantized_weight"):
             if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):

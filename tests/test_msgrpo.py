@@ -246,16 +246,22 @@ def _lap_steps(tokenizer, cfg, responses):
     return steps
 
 
-def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
-    """The shared prefix run once (its keys and values repeated for every row) and identical steps
-    read once must give the same per-step log-probs and the same LoRA gradients as one row per step."""
+def _tiny_policy_with_a_trained_adapter():
+    """A fresh tiny policy whose LoRA B weights are random: B = 0 at init would make most gradients 0."""
     cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
-    for module in model.modules():  # a trained adapter: B = 0 at init would make most gradients 0
+    for module in model.modules():
         if hasattr(module, "lora_B"):
             for weight in module.lora_B.values():
                 torch.nn.init.normal_(weight.weight, std=0.1)
+    return cfg, model, tokenizer
+
+
+def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
+    """The shared prefix run once (its keys and values repeated for every row) and identical steps
+    read once must give the same per-step log-probs and the same LoRA gradients as one row per step."""
+    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
     steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"])
     steps.append((steps[0][0], steps[0][1], 0.5))  # the same step again, from another episode
     model.train()
@@ -283,13 +289,7 @@ def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_grad
     and backward, and the layers must be bitsandbytes' own again afterwards."""
     import bitsandbytes as bnb
 
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
-    torch.manual_seed(0)
-    model, tokenizer = msgrpo.load_policy(cfg)
-    for module in model.modules():  # a trained adapter: B = 0 at init would make most gradients 0
-        if hasattr(module, "lora_B"):
-            for weight in module.lora_B.values():
-                torch.nn.init.normal_(weight.weight, std=0.1)
+    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
     batch = msgrpo.collate_steps(_lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"]),
                                  tokenizer.pad_token_id, read_once=True)
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
