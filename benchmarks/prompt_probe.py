@@ -12,7 +12,9 @@ at its start value, and a reply whose first token names a move is taken to be th
 
 Prints one row per format instruction: valid-reply mass, P(success | sampling), greedy success.
 With --adapter it also prints how the policy's P(down) and P(right) depend on what that move walks
-onto (the observation's "Next to you" line): a policy that reads it avoids holes.
+onto (the observation's "Next to you" line): a policy that reads it avoids holes. And, in the cells
+where down is blocked (a hole or the edge), all four moves' probabilities by what lies to the right:
+where right is a hole too, a player that reads the map has only left and up.
 """
 
 import argparse
@@ -75,6 +77,17 @@ def by_neighbour(probabilities, move):
     return {onto: (float(np.mean(values)), len(values)) for onto, values in groups.items()}
 
 
+def where_down_is_blocked(probabilities):
+    """Mean P(each move) over the probed cells where down walks into a hole or off the edge, grouped by
+    what right walks onto: {onto: (array of 4 means in envs.FROZEN_LAKE_ACTIONS order, n cells)}."""
+    down, right = envs.FROZEN_LAKE_ACTIONS.index("down"), envs.FROZEN_LAKE_ACTIONS.index("right")
+    groups = {}
+    for (map_rows, cell), (p, _) in probabilities.items():
+        if envs.walks_onto(map_rows, cell, down) in ("hole", "edge"):
+            groups.setdefault(envs.walks_onto(map_rows, cell, right), []).append(p)
+    return {onto: (np.mean(values, axis=0), len(values)) for onto, values in groups.items()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--maps", type=int, default=16, help="random 4x4 maps (seeds 700, 701, ...)")
@@ -103,6 +116,10 @@ def main(argv=None):
             means = by_neighbour(probs, envs.FROZEN_LAKE_ACTIONS.index(move))
             print(f"| {move} | " + " | ".join(f"{means[onto][0]:.2f} (n={means[onto][1]})" if onto in means else "-"
                                               for onto in ("ice", "hole", "goal", "edge")) + " |")
+        print("\n| where down is blocked, right walks onto | cells | " + " | ".join(envs.FROZEN_LAKE_ACTIONS)
+              + " |\n| --- | ---: |" + " ---: |" * 4)
+        for onto, (means, n) in sorted(where_down_is_blocked(probs).items()):
+            print(f"| {onto} | {n} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
 
 
 if __name__ == "__main__":

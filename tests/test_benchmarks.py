@@ -81,6 +81,18 @@ def test_the_probe_groups_a_moves_probability_by_what_it_walks_onto():
     assert prompt_probe.by_neighbour(probabilities, right) == {"ice": (0.3, 1), "edge": (0.2, 1)}
 
 
+def test_the_probe_shows_every_move_where_down_is_blocked():
+    map_rows = ("SFF", "HFH", "FFG")
+    probabilities = {(map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.4]), None),  # down: hole, right: ice
+                     (map_rows, (1, 1)): (np.array([0.0, 0.5, 0.5, 0.0]), None),  # down: ice, so left out
+                     (map_rows, (2, 0)): (np.array([0.3, 0.2, 0.5, 0.0]), None),  # down: edge, right: ice
+                     (map_rows, (2, 1)): (np.array([0.0, 0.0, 1.0, 0.0]), None)}  # down: edge, right: goal
+    blocked = prompt_probe.where_down_is_blocked(probabilities)
+    assert sorted(blocked) == ["goal", "ice"]
+    assert blocked["ice"][1] == 2 and np.allclose(blocked["ice"][0], [0.2, 0.2, 0.4, 0.2])
+    assert blocked["goal"][1] == 1 and np.allclose(blocked["goal"][0], [0, 0, 1, 0])
+
+
 def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     args = ["algo", "msgrpo", "--seeds", "0", "--model", "tiny", "--iterations", "1", "--greedy-episodes", "2",
             "--sampled-episodes", "3", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
