@@ -58,8 +58,8 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes); computes in bf16 on CUDA, fp32 on CPU
     lora_r: int = 8
-    # 0 = 100 on CUDA, 130 on the CPU (there the policy swings between map-blind moves
-    # until ~115 and reads the map from ~120); --resume RUN --iterations N goes on
+    # 0 = 100 on CUDA, 130 on the CPU (there the policy swings between "right" and "down" everywhere
+    # until ~115, and only from ~120 do its greedy moves hold); --resume RUN --iterations N goes on
     iterations: int = 0
     groups: int = 8  # B: start states per iteration; 2 collapsed onto one reply within 14 iterations
     group_size: int = 8  # G: episodes per start state
