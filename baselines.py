@@ -83,6 +83,65 @@ class OptimalAgent:
         return f"<action>{move}</action>"
 
 
+# Snake's hand rules: what reading the board's "Next to your head" line is worth, rule by rule.
+
+
+def snake_safe_moves(info):
+    """The moves (indices into envs.SNAKE_ACTIONS) that neither reverse nor die this step."""
+    size, snake = info["size"], [tuple(cell) for cell in info["snake"]]
+    fruit = {tuple(cell) for cell in info["apples"] + info["bananas"]}
+    others = {tuple(cell) for cell in info["opponent"] or []}
+    reverse = (envs.SNAKE_ACTIONS.index(info["direction"]) + 2) % 4
+    return [a for a in range(4) if a != reverse and not envs.snake_dies(
+        envs.next_cell(snake[0], a), snake, envs.next_cell(snake[0], a) in fruit, size, others)]
+
+
+def never_die_move(info, rng):
+    """A random move that hits nothing; keep going when every move dies."""
+    safe = snake_safe_moves(info)
+    return rng.choice(safe) if safe else envs.SNAKE_ACTIONS.index(info["direction"])
+
+
+def straight_unless_deadly_move(info, rng):
+    """Keep going unless that dies; then a random move that hits nothing."""
+    ahead = envs.SNAKE_ACTIONS.index(info["direction"])
+    return ahead if ahead in snake_safe_moves(info) else never_die_move(info, rng)
+
+
+def apple_greedy_move(info, rng):
+    """A safe move that brings the head nearer the nearest apple (whatever an apple is worth),
+    else a random move that hits nothing."""
+    head = tuple(info["snake"][0])
+
+    def to_apple(cell):
+        return min((abs(cell[0] - r) + abs(cell[1] - c) for r, c in info["apples"]), default=0)
+
+    nearer = [a for a in snake_safe_moves(info) if to_apple(envs.next_cell(head, a)) < to_apple(head)]
+    return rng.choice(nearer) if nearer else never_die_move(info, rng)
+
+
+def circling_move(info, rng):
+    """Turn clockwise every step, reading only the heading: a snake of 3 or 4 cells chases its tail
+    round a 2x2 square and never dies once inside the board."""
+    return (envs.SNAKE_ACTIONS.index(info["direction"]) + 1) % 4
+
+
+SNAKE_RULES = {"never_die": never_die_move, "straight_unless_deadly": straight_unless_deadly_move,
+               "apple_greedy": apple_greedy_move, "circling": circling_move}
+
+
+class SnakeRuleAgent:
+    """One of SNAKE_RULES, played from the symbolic `info` (Snake and Snake Poison Apple only)."""
+
+    def __init__(self, rule, seed=0):
+        self.move, self.rng = SNAKE_RULES[rule], random.Random(seed)
+
+    def act(self, obs_text, info):
+        if "snake" not in info:
+            raise ValueError("the Snake rules play Snake and Snake Poison Apple only")
+        return f"<action>{envs.SNAKE_ACTIONS[self.move(info, self.rng)]}</action>"
+
+
 def frozen_lake_optimum_within(map_rows, slippery, max_steps):
     """The best success probability any policy can reach within `max_steps` steps.
 
@@ -785,7 +844,9 @@ def name_equals_path(text):
 def build_parser():
     parser = argparse.ArgumentParser(description="Evaluate baseline agents on held-out seeds.")
     parser.add_argument("--env", choices=envs.ENV_NAMES, default="frozen_lake")
-    parser.add_argument("--agent", choices=["random", "optimal", "dqn", "llm", "server"], default="optimal")
+    parser.add_argument("--agent", choices=["random", "optimal", *SNAKE_RULES, "dqn", "llm", "server"],
+                        default="optimal", help="never_die, straight_unless_deadly, apple_greedy, circling: "
+                                                "Snake's hand rules")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes")
     parser.add_argument("--seed", type=int, default=0, help="the random agent's and the DQN's seed")
     parser.add_argument("--json", help="also write the full result to this JSON file")
@@ -846,6 +907,10 @@ def make_agent(args, options, parser):
         return RandomAgent(args.seed)
     if args.agent == "optimal":
         return OptimalAgent()
+    if args.agent in SNAKE_RULES:
+        if args.env == "frozen_lake":
+            parser.error(f"--agent {args.agent} is a Snake rule; it does not play frozen_lake")
+        return SnakeRuleAgent(args.agent, args.seed)
     if args.agent == "llm":
         adapter = args.adapter[-1][1] if args.adapter else None
         if adapter is not None and not Path(adapter, "adapter_config.json").exists():

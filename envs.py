@@ -359,7 +359,8 @@ class FrozenLake(TextGame):
     actions = FROZEN_LAKE_ACTIONS
     defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
                     start="S")
-    starts = ("S", "ice", "beside_hole", "hole_toward_goal")
+    starts = ("S", "ice", "beside_hole", "hole_toward_goal")  # the first is where held-out games start
+    training_start = "beside_hole"
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -495,7 +496,13 @@ def snake_dies(head, body, grows, size, others):
 class Snake(TextGame):
     name = "snake"
     actions = SNAKE_ACTIONS
-    defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False, invalid_penalty=-0.1)
+    defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False, invalid_penalty=-0.1,
+                    start="standard")
+    # standard: the head at (3n/4, n/2), heading right, as held-out games start. facing_wall: the head
+    # on a border cell the seed picks, heading out of the board, so a group's first move decides
+    # whether it lives.
+    starts = ("standard", "facing_wall")
+    training_start = "facing_wall"
     apple_reward, banana_reward, death_reward = 1.0, 1.0, -1.0
     fruit_rules = "Eating an apple gives +1 and makes the snake one cell longer."
 
@@ -506,21 +513,21 @@ class Snake(TextGame):
         self.banana_count = positive_int("bananas", self.options.get("bananas", 0), minimum=0)
         self.step_reward = finite_float("step_reward", self.options["step_reward"])
         self.has_opponent = boolean("opponent", self.options["opponent"])
+        self.start = self.options["start"]
+        if self.start not in self.starts:
+            raise ValueError(f"option start must be one of {', '.join(self.starts)}, got {self.start!r}")
         hazards = ("a wall, your own body or the other snake" if self.has_opponent
                    else "a wall or your own body")
         self.rules = (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"
                       f" the direction you choose. {self.fruit_rules} Running into {hazards} ends"
-                      " the game with -1. You cannot turn back into your own neck. Cells are"
-                      " (row, col), (0,0) at the top left; down increases the row, right the column.")
+                      " the game with -1. You cannot turn back into your own neck.")
 
     def new_game(self, seed):
-        row, col = self.size * 3 // 4, self.size // 2
-        self.snake = [(row, col), (row, col - 1), (row, col - 2)]  # head first, heading right
-        self.direction = 1
         # The opponent starts in the upper half, heading left; [] once it has been boxed in.
-        row = self.size // 4
+        row, col = self.size // 4, self.size // 2
         self.opponent = [(row, col - 1), (row, col), (row, col + 1)] if self.has_opponent else None
         self.opponent_direction = 3
+        self.snake, self.direction = self.start_snake()
         self.apples, self.bananas = [], []
         for _ in range(self.apple_count):
             self.spawn(self.apples)
@@ -528,6 +535,24 @@ class Snake(TextGame):
             self.spawn(self.bananas)
         self.apples_eaten = self.bananas_eaten = 0
         self.died = False
+
+    def start_snake(self):
+        """(cells head first, direction) of a new game's snake, three cells long in a straight line."""
+        if self.start == "standard":
+            row, col = self.size * 3 // 4, self.size // 2
+            return [(row, col), (row, col - 1), (row, col - 2)], 1
+        starts = []  # every border cell, with every direction that leads off the board from it
+        for row in range(self.size):
+            for col in range(self.size):
+                for direction in range(4):
+                    if on_board(next_cell((row, col), direction), self.size):
+                        continue
+                    back = (direction + 2) % 4
+                    body = [(row, col), next_cell((row, col), back)]
+                    body.append(next_cell(body[1], back))
+                    if not set(body) & set(self.opponent or []):
+                        starts.append((body, direction))
+        return starts[self.rng.integers(len(starts))]
 
     def spawn(self, fruits):
         """Put one fruit on a random free cell (none if the board is full)."""
@@ -587,22 +612,50 @@ class Snake(TextGame):
         self.advance(self.opponent, next_cell(self.opponent[0], self.opponent_direction))
 
     def state_text(self):
-        (row, col), body = self.snake[0], self.snake[1:]
-        lines = [f"Your snake: head at (row {row}, col {col}), moving {self.actions[self.direction]};"
-                 f" body {cell_list(body)}.", f"Apples at {cell_list(self.apples)}."]
+        """The heading, where the nearest fruit lies from the head, then the board.
+
+        No coordinate lists: the offset says from the head where the fruit is, as Frozen Lake's
+        goal offset does, and the board shows the rest; each list cost about 3 tokens a cell.
+        """
+        lines = [f"You are moving {self.actions[self.direction]}; your snake is {len(self.snake)} cells long.",
+                 f"Nearest apple: {nearest_offset(self.snake[0], self.apples)}."]
         if self.banana_count:
-            lines.append(f"Bananas at {cell_list(self.bananas)}.")
-        if self.opponent is not None:
-            lines.append(f"Other snake (head first) at {cell_list(self.opponent)}.")
+            lines.append(f"Nearest banana: {nearest_offset(self.snake[0], self.bananas)}.")
         grid = [["."] * self.size for _ in range(self.size)]
         for symbol, cells in [("A", self.apples), ("B", self.bananas), ("X", self.opponent or []),
-                              ("S", body), ("H", [self.snake[0]])]:
+                              ("S", self.snake[1:]), ("H", [self.snake[0]])]:
             for r, c in cells:
                 grid[r][c] = symbol
         legend = ("H = your head, S = your body, A = apple" + (", B = banana" if self.banana_count else "")
                   + (", X = other snake" if self.opponent is not None else ""))
         lines.append(f"Board ({legend}, . = empty):\n{grid_text(grid)}")
         return "\n".join(lines)
+
+    def neighbours(self):
+        """What each move's cell holds: wall, your neck (the move not allowed), your body, your tail
+        (it moves on this step, so the cell is safe), other snake, apple, banana or empty."""
+        names = []
+        for direction in range(4):
+            cell = next_cell(self.snake[0], direction)
+            if not on_board(cell, self.size):
+                names.append("wall")
+            elif cell == self.snake[1]:
+                names.append("your neck (not allowed)")
+            elif cell == self.snake[-1]:
+                names.append("your tail")
+            elif cell in self.snake:
+                names.append("your body")
+            elif cell in (self.opponent or []):
+                names.append("other snake")
+            else:
+                names.append(self.fruit_at(cell) or "empty")
+        return names
+
+    def observation(self):
+        """The shared text, then what each move runs into, last: right before the reply, as in
+        Frozen Lake, where a small model learned to read such a line from fewer examples there."""
+        line = ", ".join(f"{move} {what}" for move, what in zip(self.actions, self.neighbours()))
+        return f"{super().observation()}\nNext to your head: {line}."
 
     def state_info(self):
         return {"snake": list(self.snake), "direction": self.actions[self.direction],
@@ -611,6 +664,14 @@ class Snake(TextGame):
                 "size": self.size, "apple_reward": self.apple_reward,
                 "apples_eaten": self.apples_eaten, "bananas_eaten": self.bananas_eaten,
                 "died": self.died, "success": self.done and not self.died}
+
+
+def nearest_offset(head, cells):
+    """'2 up, 1 right' to the nearest of `cells` (fewest moves; the first listed on a tie), or 'none'."""
+    if not cells:
+        return "none"
+    row, col = min(cells, key=lambda cell: abs(cell[0] - head[0]) + abs(cell[1] - head[1]))
+    return offset_text(row - head[0], col - head[1])
 
 
 class SnakePoisonApple(Snake):

@@ -73,9 +73,10 @@ class Config:
     late_temperature: float = 1.5
     lr: float = 2e-4
     late_lr: float = 1e-4
-    # Where training games start (Frozen Lake; envs.FrozenLake.start_cell): beside_hole, a random ice cell
-    # one move from a hole, so a group's first move decides its return; hole_toward_goal, one where down or
-    training_start: str = "beside_hole"  # right walks into a hole; ice; S. Evaluation and the probe start at S.
+    # Where training games start, one of the game's starts; "" = its own choice (Frozen Lake: beside_hole,
+    # an ice cell one move from a hole; Snake: facing_wall, the head on the border heading out), so a
+    # group's first move decides its return. Held-out evaluation and the probe use the game's usual start.
+    training_start: str = ""
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
     max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
@@ -103,12 +104,21 @@ class Config:
     seed: int = 0
     run_dir: str = ""  # "" = runs/<env>-<time>
 
+# Snake's board and step limit for training and its evaluation: the paper's 10x10 with 20 steps on a GPU.
+# On the CPU a 6x6 board with 5 steps: with 20-100 steps nearly every episode of a small model ends in a
+# wall, so each return holds the -1 and surviving is never rewarded; within 5 steps some episodes live.
+SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_steps": 5}}
+
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
     if cfg.sampling not in ("aaw", "uniform", "all"):
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
     cuda = torch.cuda.is_available()
+    game = envs.GAMES[cfg.env]
+    options = {**SNAKE_OPTIONS["cuda" if cuda else "cpu"], **cfg.env_options} if issubclass(
+        game, envs.Snake) else cfg.env_options
     return dataclasses.replace(cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL),
+                               env_options=options, training_start=cfg.training_start or game.training_start,
                                iterations=cfg.iterations or (100 if cuda else 130),
                                max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
                                micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
@@ -119,9 +129,8 @@ def env_options(cfg: Config) -> dict:
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
 
 def training_env_options(cfg: Config) -> dict:
-    """The game options of training rollouts: env_options, plus cfg.training_start in a game that has starts."""
-    exploring = cfg.training_start != "S" and "start" in envs.GAMES[cfg.env].defaults
-    return {**env_options(cfg), **({"start": cfg.training_start} if exploring else {})}
+    """The game options of training rollouts: env_options, with the start set to cfg.training_start."""
+    return {**env_options(cfg), "start": cfg.training_start}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action) ---
 SYSTEM_PROMPT = "You are playing a grid game."
@@ -333,7 +342,8 @@ class Episode:
     texts: list = field(default_factory=list)  # per step: prefix + decoded response
     rewards: list = field(default_factory=list)
     invalid: int = 0
-    success: bool = False
+    success: bool = False  # Frozen Lake: reached the goal; Snake: alive at the step limit
+    apples: int = 0  # Snake: apples eaten
     done: bool = False
 
 def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool = False) -> list[Episode]:
@@ -356,6 +366,7 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int], progress: bool 
             episode.rewards.append(reward)
             episode.invalid += int(info["invalid"])
             episode.success = bool(info.get("success", False))
+            episode.apples = info.get("apples_eaten", 0)
             episode.done = terminated or truncated
         bar.update(len(live))
     bar.close()
@@ -598,6 +609,8 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
         "success_rate": float(np.mean([ep.success for ep in episodes])),
         "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
         "mean_steps": len(all_texts) / len(episodes),
+        **({"mean_apples": float(np.mean([ep.apples for ep in episodes]))}
+           if issubclass(envs.GAMES[cfg.env], envs.Snake) else {}),
         "zero_variance_groups": zero_variance_groups(returns, [ep.group for ep in episodes]),
         **counts,
         "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse shows as a drop
@@ -1012,6 +1025,9 @@ def plot_curves(run_dir: Path) -> None:
         axes[0].set_ylim(-0.02, 1.02)
     axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
     axes[1].plot(x, [m["invalid_rate"] for m in metrics], label="invalid-action rate")
+    if "mean_apples" in metrics[0]:  # Snake: success is being alive at the step limit
+        axes[1].plot(x, [m["success_rate"] for m in metrics], label="alive at the step limit")
+        axes[1].plot(x, [m["mean_apples"] for m in metrics], label="apples per episode")
     axes[2].plot(x, [m["distinct_responses"] for m in metrics], label="distinct responses")
     axes[2].plot(x, [m["entropy"] for m in metrics], label="entropy per token (nats)")
     axes[2].plot(x, [m["zero_variance_groups"] / config.get("groups", 1) for m in metrics],
@@ -1108,10 +1124,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
                    help="each trained episode weighs the same in the loss, whatever its length (default on; "
                         "off: a plain mean over all response tokens)")
-    p.add_argument("--training-start", choices=envs.FrozenLake.starts,
-                   help=f"where training games start, Frozen Lake only (default {d.training_start}: an ice cell "
-                        "one move from a hole; hole_toward_goal: one where a move toward the goal walks into "
-                        "a hole; S: Gymnasium's start); held-out evaluation starts at S")
+    starts = dict.fromkeys(start for game in envs.GAMES.values() for start in game.starts)
+    p.add_argument("--training-start", choices=starts,
+                   help="where training games start (default: the game's own: frozen_lake beside_hole, an ice "
+                        "cell one move from a hole, or hole_toward_goal, one where a move toward the goal walks "
+                        "into a hole; snake facing_wall, the head on the border heading out); held-out "
+                        "evaluation starts where the game always does (S, standard)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction, help="ask for <think> before the action")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
                    help="end the prompt with <action> when not thinking (default on)")
@@ -1173,9 +1191,10 @@ def validate_config(cfg: Config, resume: bool = False, overwrite: bool = False, 
         fail(f"--env-opt: {error}")
     if warning := envs.pointless_options_warning(game):
         print(f"{cfg.env}: {warning}", file=sys.stderr)
-    if cfg.training_start not in envs.FrozenLake.starts:
-        fail(f"--training-start is {cfg.training_start}; it must be one of {', '.join(envs.FrozenLake.starts)}")
-    if cfg.env_options.get("start", "S") != "S":  # training_start is the setting that moves training only
+    starts = envs.GAMES[cfg.env].starts
+    if cfg.training_start not in starts:
+        fail(f"--training-start is {cfg.training_start}; for {cfg.env} it must be one of {', '.join(starts)}")
+    if cfg.env_options.get("start", starts[0]) != starts[0]:  # training_start moves training only
         print(f"{cfg.env}: warning: start={cfg.env_options['start']} also moves where held-out evaluation and "
               f"the probe start; --training-start moves training games only", file=sys.stderr)
     run_dir = Path(cfg.run_dir)

@@ -49,8 +49,11 @@ def test_a_start_game_option_warns_that_evaluation_starts_there_too(tmp_path, ca
 
 
 def test_training_starts_are_checked_and_old_runs_keep_theirs(tmp_path):
-    with pytest.raises(SystemExit, match="--training-start is corner; it must be one of S, ice, beside_hole"):
+    with pytest.raises(SystemExit, match="--training-start is corner; for frozen_lake it must be one of S, ice"):
         msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(training_start="corner", run_dir=str(tmp_path))))
+    with pytest.raises(SystemExit, match="for snake it must be one of standard, facing_wall"):
+        msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(env="snake", training_start="beside_hole",
+                                                                     run_dir=str(tmp_path))))
     for exploring, start in ((True, "beside_hole"), (False, "S")):  # config.json before starts had names
         (tmp_path / "config.json").write_text(json.dumps({"env": "frozen_lake", "exploring_starts": exploring}))
         assert msgrpo.load_config(tmp_path).training_start == start

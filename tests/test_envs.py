@@ -427,12 +427,78 @@ def test_snake_observation_text():
     env = envs.make("snake_poison_apple", opponent=True, bananas=1)
     obs, info = env.reset(seed=0)
     assert "Actions: up, right, down, left." in obs
-    assert "Your snake: head at (row 7, col 5), moving right; body (7,4), (7,3)." in obs
-    assert "Apples at " in obs and "Bananas at " in obs and "Other snake" in obs
+    assert "You are moving right; your snake is 3 cells long." in obs
+    head = info["snake"][0]
+    nearest = min(info["apples"], key=lambda c: abs(c[0] - head[0]) + abs(c[1] - head[1]))
+    assert f"Nearest apple: {envs.offset_text(nearest[0] - head[0], nearest[1] - head[1])}." in obs
+    assert "Nearest banana: " in obs
     assert "H = your head" in obs and "X = other snake" in obs
     rows = obs.split("= empty):\n")[1].split("\n")[:10]
     assert rows[7].split()[3:6] == ["S", "S", "H"]
+    assert obs.splitlines()[-1].startswith("Next to your head: up ")  # last, right before the reply
     assert "<action>" not in obs
+
+
+def neighbour_line(env):
+    return env.observation().splitlines()[-1]
+
+
+def test_snake_neighbour_line_names_walls_neck_body_and_tail():
+    env = snake_env(size=6)
+    env.snake = [(0, 5), (1, 5), (2, 5)]  # the top right corner, heading up
+    env.direction = UP
+    assert neighbour_line(env) == ("Next to your head: up wall, right wall, "
+                                   "down your neck (not allowed), left empty.")
+    env.snake = [(2, 2), (2, 3), (3, 3), (3, 2), (3, 1), (2, 1)]  # coiled: left is the tail
+    env.direction = LEFT
+    assert neighbour_line(env) == ("Next to your head: up empty, right your neck (not allowed), "
+                                   "down your body, left your tail.")
+
+
+def test_snake_neighbour_line_names_fruit_and_the_other_snake():
+    env = snake_env("snake_poison_apple", bananas=1, opponent=True)
+    env.apples, env.bananas, env.opponent = [(4, 5)], [(6, 5)], [(5, 6), (4, 6), (3, 6)]
+    assert neighbour_line(env) == ("Next to your head: up apple, right other snake, down banana, "
+                                   "left your neck (not allowed).")
+
+
+def test_snake_neighbour_line_agrees_with_what_the_move_does():
+    """"wall", "your body" and "other snake" are exactly the moves that end the game."""
+    env = envs.make("snake", size=5, opponent=True)
+    for seed in range(30):
+        env.reset(seed=seed)
+        for _ in range(8):
+            names, info = env.neighbours(), env.info(False)
+            for move, name in enumerate(names):
+                if name.startswith("your neck"):
+                    continue
+                cell = envs.next_cell(env.snake[0], move)
+                deadly = envs.snake_dies(cell, env.snake, cell in env.apples, env.size,
+                                         set(env.opponent or []))
+                assert deadly == (name in ("wall", "your body", "other snake")), (seed, names)
+            legal = [m for m, n in enumerate(names) if n not in ("wall", "your body", "other snake")
+                     and not n.startswith("your neck")]
+            if not legal:
+                break
+            if env.step(legal[seed % len(legal)])[2]:
+                break
+
+
+def test_snake_training_start_faces_the_wall_and_the_seed_chooses_it():
+    standard = envs.make("snake", size=6)
+    assert standard.reset(seed=5)[1]["snake"] == [(4, 3), (4, 2), (4, 1)]  # where evaluation starts
+    facing = envs.make("snake", size=6, start="facing_wall")
+    starts = []
+    for seed in range(100):
+        info = facing.reset(seed=seed)[1]
+        assert facing.reset(seed=seed)[1]["snake"] == info["snake"]  # the same seed, the same start
+        head, heading = info["snake"][0], envs.SNAKE_ACTIONS.index(info["direction"])
+        assert not envs.on_board(envs.next_cell(head, heading), 6)  # straight on is the wall
+        assert len(info["snake"]) == 3 and all(envs.on_board(cell, 6) for cell in info["snake"])
+        starts.append((tuple(info["snake"]), heading))
+    assert len(set(starts)) > 20  # different seeds, different starts
+    with pytest.raises(ValueError, match="start must be one of standard, facing_wall"):
+        envs.make("snake", start="corner")
 
 
 def test_bfs_avoids_poison_apples_and_eats_bananas():

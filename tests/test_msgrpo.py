@@ -325,10 +325,11 @@ def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, group_size=2, env_options={"max_steps": 1})
-    assert msgrpo.training_env_options(cfg)["start"] == msgrpo.Config.training_start
+    assert msgrpo.training_env_options(cfg)["start"] == envs.FrozenLake.training_start
     assert "start" not in msgrpo.env_options(cfg)  # evaluation and the probe start at S
-    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, training_start="S"))
-    assert "start" not in msgrpo.training_env_options(msgrpo.dataclasses.replace(cfg, env="snake"))
+    snake = msgrpo.resolve_defaults(msgrpo.Config(env="snake", model="tiny", run_dir="unused"))
+    assert msgrpo.training_env_options(snake)["start"] == "facing_wall"
+    assert "start" not in msgrpo.env_options(snake)  # evaluation starts where it always did
     torch.manual_seed(0)
     seeds = list(range(8))
     episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)
