@@ -1,13 +1,15 @@
 """The same seed gives the same training metrics as the recorded runs (tiny model, CPU).
 
-tests/data/tiny_run_metrics.json holds the metrics.jsonl lines of a 2-iteration MS-GRPO run and a
-2-iteration POAD run, timing fields left out. Any change meant to keep behaviour (moving code,
-renaming, compacting) must leave them as they are. The tiny model's replies are all invalid, so
-MS-GRPO's groups carry no signal and its run checks rollouts, the probe and the random streams;
-POAD's critic gives nonzero advantages, so its run also checks the policy update. Re-record only for a change that is meant to
-alter training: python tests/test_same_metrics.py --record
+tests/data/tiny_run_metrics.json holds the metrics.jsonl lines of a 3-iteration MS-GRPO run and a
+3-iteration POAD run, timing fields left out. Any change meant to keep behaviour (moving code,
+renaming, compacting, speed-ups that keep the numbers) must leave them as they are. The random tiny
+model never names a move, so every return would be equal and no update would run; here its logits
+are nudged toward the four move words, so about half its replies are moves, returns differ within
+groups, and both runs train (episodes_trained > 0, loss != 0). Re-record only for a change that is
+meant to alter training: python tests/test_same_metrics.py --record
 """
 
+import contextlib
 import json
 import math
 import sys
@@ -17,13 +19,36 @@ import pytest
 import torch
 
 import baselines
+import envs
 import msgrpo
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "tiny_run_metrics.json"
-RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "2", "--iterations", "2",
+RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "4", "--iterations", "3",
        "--env-opt", "max_steps=4", "--eval-episodes", "0", "--probe-every", "1", "--seed", "0",
-       "--training-start", "S"]  # the recorded runs start every game at S
+       "--training-start", "beside_hole"]
 TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
+MOVE_LOGIT_BIAS = 9.0  # added to the logits of "left", "down", "right", "up" (with and without a space)
+
+
+@contextlib.contextmanager
+def tiny_model_that_names_moves():
+    """msgrpo.load_policy, with a forward hook on the output layer that adds MOVE_LOGIT_BIAS to the
+    move words' logits: sampling and the loss's log-probs both see the same nudged model."""
+    load_policy = msgrpo.load_policy
+
+    def load_nudged(cfg, adapter=None):
+        model, tokenizer = load_policy(cfg, adapter)
+        words = [f"{space}{move}" for move in envs.FROZEN_LAKE_ACTIONS for space in ("", " ")]
+        bias = torch.zeros(model.get_output_embeddings().weight.shape[0])
+        bias[[tokenizer(word, add_special_tokens=False).input_ids[0] for word in words]] = MOVE_LOGIT_BIAS
+        model.get_output_embeddings().register_forward_hook(lambda layer, inputs, logits: logits + bias)
+        return model, tokenizer
+
+    msgrpo.load_policy = load_nudged
+    try:
+        yield
+    finally:
+        msgrpo.load_policy = load_policy
 
 
 def train_msgrpo(run_dir):
@@ -43,8 +68,9 @@ def tiny_run_metrics(folder: Path) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {"msgrpo": metrics_of(train_msgrpo(folder / "msgrpo")),
-                "poad": metrics_of(train_poad(folder / "poad"))}
+        with tiny_model_that_names_moves():
+            return {"msgrpo": metrics_of(train_msgrpo(folder / "msgrpo")),
+                    "poad": metrics_of(train_poad(folder / "poad"))}
     finally:
         torch.set_num_threads(threads)
 
@@ -68,7 +94,10 @@ def assert_same(got, want, where=""):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the recorded numbers are the CPU's")
 def test_the_same_seed_gives_the_recorded_msgrpo_and_poad_metrics(tmp_path):
-    assert_same(tiny_run_metrics(tmp_path), json.loads(FIXTURE.read_text()))
+    recorded = json.loads(FIXTURE.read_text())
+    for algorithm in ("msgrpo", "poad"):  # the guard sees the update only if the recorded runs train
+        assert any(m["episodes_trained"] > 0 and m["loss"] != 0 for m in recorded[algorithm]), algorithm
+    assert_same(tiny_run_metrics(tmp_path), recorded)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
