@@ -68,7 +68,7 @@ class Config:
     # episodes of a group make it, their returns are equal and the group teaches nothing, so rollouts
     # sample hotter (and the loss scores at the same T), at the lower late_lr. Not too hot: after 25
     # iterations, T = 2 made 0.53-0.60 of the replies unparseable; T = 1.5 from 31, 0.06-0.08 (NOTES.md).
-    late_after: int = 25  # 0 = one phase: lr and temperature throughout
+    late_after: int = -1  # 0 = one phase: lr and temperature throughout; -1 = the game's (25; Snake 0)
     temperature: float = 1.0
     late_temperature: float = 1.5
     lr: float = 2e-4
@@ -79,7 +79,7 @@ class Config:
     training_start: str = ""
     think: bool = False  # ask for <think>...</think> before the action
     prefill: bool = True  # end the prompt with "<action>" when not thinking: small models then only write the move
-    max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens), 256 with
+    max_new_tokens: int = 0  # 0 = 6 without thinking ("right</action>" is 4 tokens; Snake 1), 256 with
     invalid_penalty: float = -0.1
     # Dividing by the group's std (the paper's form, --std) made one invalid reply as strong a signal as a
     scale_advantages: bool = False  # goal, and runs collapsed; R - mean keeps goals 10x louder (NOTES.md)
@@ -108,6 +108,11 @@ class Config:
 # On the CPU a 6x6 board with 5 steps: with 20-100 steps nearly every episode of a small model ends in a
 # wall, so each return holds the -1 and surviving is never rewarded; within 5 steps some episodes live.
 SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_steps": 5}}
+# Snake's replies are one token, the move: its observation ends in a line of move-and-cell pairs ("left
+# empty, down wall") that a small model continues past the move, naming two moves (SmolLM2-135M: 66% of
+# 6-token replies unparseable, 30% of 1-token ones). One phase: hotter rollouts before the format is
+# learned made most replies unparseable again.
+SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, LATE_AFTER = 1, 0, 25
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
@@ -115,12 +120,15 @@ def resolve_defaults(cfg: Config) -> Config:
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
     cuda = torch.cuda.is_available()
     game = envs.GAMES[cfg.env]
-    options = {**SNAKE_OPTIONS["cuda" if cuda else "cpu"], **cfg.env_options} if issubclass(
-        game, envs.Snake) else cfg.env_options
+    snake = issubclass(game, envs.Snake)
+    options = {**SNAKE_OPTIONS["cuda" if cuda else "cpu"], **cfg.env_options} if snake else cfg.env_options
+    reply_tokens = 256 if cfg.think else SNAKE_REPLY_TOKENS if snake else 6
+    late_after = SNAKE_LATE_AFTER if snake else LATE_AFTER
     return dataclasses.replace(cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL),
                                env_options=options, training_start=cfg.training_start or game.training_start,
                                iterations=cfg.iterations or (100 if cuda else 130),
-                               max_new_tokens=cfg.max_new_tokens or (256 if cfg.think else 6),
+                               late_after=late_after if cfg.late_after < 0 else cfg.late_after,
+                               max_new_tokens=cfg.max_new_tokens or reply_tokens,
                                micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
                                eval_batch=cfg.eval_batch or (32 if cuda else 64),
                                run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -1066,7 +1074,7 @@ NUMERIC_FLAGS = [
      lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
     ("late-temperature", float, "rollout sampling temperature after --late-after iterations",
      lambda v: v > 0, "above 0"),
-    ("max-new-tokens", int, "tokens per response (0: 6, or 256 with --think)",
+    ("max-new-tokens", int, "tokens per response (0: 6, 1 on Snake, or 256 with --think)",
      lambda v: v >= 1, "at least 1"),
     ("invalid-penalty", float, "reward added for an unparseable or illegal response", None, ""),
     ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
@@ -1077,7 +1085,8 @@ NUMERIC_FLAGS = [
     ("micro-batch", int, "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
      lambda v: v >= 1, "at least 1"),
     ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
-                        "(--late-lr, --late-temperature); 0: the early phase throughout", lambda v: v >= 0, "at least 0"),
+                        "(--late-lr, --late-temperature); 0: the early phase throughout (default 25; Snake 0)",
+     lambda v: v >= 0, "at least 0"),
     ("lr", float, "AdamW learning rate of the early phase", lambda v: v > 0, "above 0"),
     ("late-lr", float, "AdamW learning rate after --late-after iterations", lambda v: v > 0, "above 0"),
     ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),

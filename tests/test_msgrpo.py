@@ -210,6 +210,14 @@ def test_thinking_gets_longer_replies_and_smaller_micro_batches():
     assert (chosen.max_new_tokens, chosen.micro_batch) == (64, 2)
 
 
+def test_snake_replies_are_one_token_in_one_phase_unless_asked_otherwise():
+    snake = msgrpo.resolve_defaults(msgrpo.Config(env="snake", model="tiny", run_dir="x"))
+    lake = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="x"))
+    assert (snake.max_new_tokens, snake.late_after, lake.late_after) == (1, 0, 25)
+    asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10, run_dir="x"))
+    assert (asked.max_new_tokens, asked.late_after) == (6, 10)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
     """Left-padded prompts of different lengths: the loss's log-probs of the sampled ids equal
