@@ -12,14 +12,22 @@ through the observation text (`observation()`, the renderer) and acts only throu
 Snake: keep going), adds `invalid_penalty` to the reward and sets `info["invalid"] = True`.
 `info` also carries the symbolic state, for agents that do not read text.
 
+The games are Gymnasium environments, registered on import under GYMNASIUM_IDS:
+
+    env = gymnasium.make(envs.GYMNASIUM_IDS["frozen_lake"], slippery=True)  # "msgrpo/FrozenLake-v0"
+
+The observation space is Text, the action space Discrete(len(actions)).
+
 Seeds: training uses seeds below HELDOUT_SEED_START (1,000,000); evaluation uses
 `heldout_seeds(n)`, seeds 1,000,000 .. 1,000,000 + n - 1, so no evaluation game is ever trained on.
 """
 
 import math
 import re
+import string
 from collections import deque
 
+import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import MAPS, generate_random_map
 from tqdm import tqdm
@@ -108,9 +116,17 @@ def grid_text(rows):
     return "\n".join(" ".join(row) for row in rows)
 
 
-class TextGame:
+# Every character a game writes is printable ASCII: letters, digits, punctuation, spaces, newlines.
+TEXT_CHARSET = string.ascii_letters + string.digits + string.punctuation + " \n"
+# Room for the observation's lines other than the rules and the grid (actions, heading, offsets,
+# neighbours, steps left): at most about 450 characters, in Snake with bananas and an opponent.
+TEXT_BEYOND_RULES_AND_GRID = 1000
+
+
+class TextGame(gymnasium.Env):
     """Shared by the games. A game defines `new_game`, `is_legal`, `move`, `state_text` and
-    `state_info`; this class handles options, invalid actions, the step limit and the text."""
+    `state_info`, and calls `declare_spaces` once its rules are written; this class handles
+    options, seeds, invalid actions, the step limit and the text."""
 
     name = ""
     actions = []
@@ -130,8 +146,28 @@ class TextGame:
     def parse_action(self, text):
         return parse_action(text, self.actions)
 
-    def reset(self, seed=None):
-        """Start a game. The same seed gives the same game (map, apples, slips, opponent)."""
+    def declare_spaces(self, grid_cells):
+        """Gymnasium's spaces: a move index, and text as long as the rules, a grid of `grid_cells`
+        (a cell and a space or newline each) and the other lines can make it."""
+        self.action_space = gymnasium.spaces.Discrete(len(self.actions))
+        longest = len(self.rules) + 2 * grid_cells + TEXT_BEYOND_RULES_AND_GRID
+        self.observation_space = gymnasium.spaces.Text(longest, charset=TEXT_CHARSET)
+
+    def reset(self, seed=None, options=None):
+        """Start a game. The same seed gives the same game (map, apples, slips, opponent).
+
+        Without a seed, the game's seed is drawn from Gymnasium's `np_random`, as Gymnasium's
+        convention asks: reset(seed=s) then reset() plays the same games each time.
+        """
+        if options:
+            raise ValueError(f"{self.name}: reset takes no options; set {sorted(options)} when "
+                             f"the game is made: envs.make or gymnasium.make(id, **options)")
+        seed = game_seed(seed)
+        super().reset(seed=seed)  # seeds Gymnasium's np_random, which only draws unseeded games
+        if seed is None:
+            seed = int(self.np_random.integers(HELDOUT_SEED_START))  # a training seed
+        # The game draws from its own generator, seeded as it always was: a seed plays the game it
+        # always played.
         self.rng = np.random.default_rng(seed)
         self.steps = 0
         self.done = False
@@ -164,6 +200,15 @@ class TextGame:
 
     def info(self, invalid):
         return {**self.state_info(), "invalid": invalid, "steps": self.steps}
+
+
+def game_seed(seed):
+    """None or a non-negative integer, as a Python int: numpy integers are seeds like any other."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    return int(seed)
 
 
 def positive_int(name, value, minimum=1):
@@ -375,6 +420,8 @@ class FrozenLake(TextGame):
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
                       f" Moving off the edge leaves you in place.{slip}")
+        grid = self.fixed_map or ["F" * self.size] * self.size  # random maps are size x size
+        self.declare_spaces(len(grid) * len(grid[0]))
 
     def new_game(self, seed):
         self.map = self.fixed_map or generate_random_map(size=self.size, p=0.8, seed=seed)
@@ -521,6 +568,7 @@ class Snake(TextGame):
         self.rules = (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"
                       f" the direction you choose. {self.fruit_rules} Running into {hazards} ends"
                       " the game with -1. You cannot turn back into your own neck.")
+        self.declare_spaces(self.size * self.size)
 
     def new_game(self, seed):
         # The opponent starts in the upper half, heading left; [] once it has been boxed in.
@@ -746,6 +794,22 @@ def make(name, **options):
     if name not in GAMES:
         raise ValueError(f"unknown env {name!r}; valid envs: {', '.join(ENV_NAMES)}")
     return GAMES[name](**options)
+
+
+# gymnasium.make(GYMNASIUM_IDS[name], **options) makes the same game as make(name, **options).
+GYMNASIUM_IDS = {"frozen_lake": "msgrpo/FrozenLake-v0", "snake": "msgrpo/Snake-v0",
+                 "snake_poison_apple": "msgrpo/SnakePoisonApple-v0"}
+
+
+def register_with_gymnasium():
+    """Register every game under its GYMNASIUM_IDS id, once (a reloaded module finds them there).
+    No max_episode_steps: a game ends itself at its max_steps option."""
+    for name, gymnasium_id in GYMNASIUM_IDS.items():
+        if gymnasium_id not in gymnasium.registry:
+            gymnasium.register(gymnasium_id, entry_point=f"{__name__}:{GAMES[name].__name__}")
+
+
+register_with_gymnasium()
 
 
 # ---- Evaluation: the one harness that plays any agent on any game ----
