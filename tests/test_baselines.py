@@ -135,3 +135,35 @@ def test_cli_rejects_bad_options(argv, capsys):
     with pytest.raises(SystemExit):
         baselines.main(argv)
     assert "error" in capsys.readouterr().err
+
+
+def snake_state(snake, direction, apples=(), size=6):
+    """Snake's symbolic state (info) for a board set up by hand."""
+    return {"snake": list(snake), "direction": direction, "apples": list(apples), "bananas": [],
+            "opponent": None, "size": size}
+
+
+def test_snake_rules_on_hand_made_boards():
+    import random
+    rng = random.Random(0)
+    up, right, down, left = range(4)
+    # Head in the top right corner heading up: up and right are walls, down the neck; only left lives.
+    corner = snake_state([(0, 5), (1, 5), (2, 5)], "up")
+    assert baselines.snake_safe_moves(corner) == [left]
+    for rule in baselines.SNAKE_RULES.values():
+        if rule is not baselines.circling_move:  # it reads only the heading
+            assert rule(corner, rng) == left
+    middle = snake_state([(3, 3), (3, 2), (3, 1)], "right", apples=[(1, 3)])
+    assert baselines.straight_unless_deadly_move(middle, rng) == right
+    assert baselines.apple_greedy_move(middle, rng) == up  # the only safe move toward (1, 3)
+    assert baselines.circling_move(middle, rng) == down  # clockwise from right
+    assert {baselines.never_die_move(middle, rng) for _ in range(50)} == {up, right, down}
+
+
+@pytest.mark.parametrize("rule", ["never_die", "straight_unless_deadly", "apple_greedy"])
+def test_snake_rules_that_check_their_move_never_die_on_a_board_with_room(rule):
+    result = envs.evaluate(baselines.SnakeRuleAgent(rule), "snake", range(100), size=6, max_steps=5)
+    assert result["invalid_rate"] == 0.0 and result["deaths"] == 0
+    greedy = envs.evaluate(baselines.SnakeRuleAgent("apple_greedy"), "snake", range(100), size=6,
+                           max_steps=5)
+    assert greedy["mean_apples"] >= result["mean_apples"]  # reading the apple's offset pays
