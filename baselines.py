@@ -437,6 +437,25 @@ class RequestFailed(Exception):
     pass
 
 
+class ReplyTooLong(ValueError):
+    pass
+
+
+def url_problem(base_url):
+    """Why `base_url` cannot be a server's address, or "": it needs the scheme http or https, a
+    host, and a port from 1 to 65535 if it names one."""
+    url = urllib.parse.urlsplit(base_url)
+    if url.scheme not in ("http", "https"):
+        return "it must start with http:// or https://"
+    if not url.hostname:
+        return "it names no host"
+    try:
+        port = url.port  # ValueError when out of 0..65535 or not a number
+    except ValueError:
+        port = 0
+    return "its port must be a number from 1 to 65535" if port == 0 else ""
+
+
 class ChatServerAgent:
     """Any OpenAI-compatible chat-completions server as an agent, e.g. a 72B model behind vLLM.
 
@@ -445,23 +464,34 @@ class ChatServerAgent:
     and so on; then the response is "" - an invalid action, counted by the game like any other, so
     an episode is never lost to the network. `timeout` bounds each network operation (connecting,
     each read); `deadline` bounds the whole reply, every try and wait included, so that a server
-    that sends a byte now and then cannot hold an episode for ever.
+    that sends a byte now and then cannot hold an episode for ever. A reply body longer than
+    `max_reply_bytes`, or nested too deeply to decode, is malformed content like any other.
     The chat API has no standard way to pre-fill the assistant turn, so the "<action>" prefix
     is not sent; the stop string "</action>" keeps answers short (the parser accepts an
     unclosed tag).
     """
 
+    # A reply of `max_tokens` tokens is a few KB of JSON; this leaves room for long thinking
+    # replies and stops a server that sends without end before it fills the memory.
+    max_reply_bytes = 1 << 20
+
     def __init__(self, base_url, model, api_key=None, think=False, max_tokens=32, temperature=0.0,
                  timeout=60.0, retries=2, backoff=1.0, deadline=180.0, concurrency=8):
+        if problem := url_problem(base_url):
+            raise ValueError(f"base_url {base_url!r}: {problem}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.max_tokens, self.temperature = model, max_tokens, temperature
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
         self.cfg = msgrpo.Config(think=think)
         self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
         self.deadline = deadline
+        self.lock = threading.Lock()  # requests run in threads; they share the counter
+        self.reset_counts()
+
+    def reset_counts(self):
+        """Count requests from zero, so that each evaluation reports its own failures."""
         self.requests = self.failures = 0  # failures: responses given up on (after retries)
         self.errors = collections.Counter()  # what went wrong, every try: "TimeoutError", "HTTP 500"
-        self.lock = threading.Lock()  # requests run in threads; they share the counter
 
     def act_batch(self, observations, infos):
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -532,7 +562,7 @@ class ChatServerAgent:
             path = url.path + (f"?{url.query}" if url.query else "")
             connection.request("POST", path, body=json.dumps(body).encode(), headers=headers)
             reply = connection.getresponse()
-            payload = reply.read()
+            payload = reply.read(self.max_reply_bytes + 1)
         except (OSError, http.client.HTTPException):
             if cut.is_set():
                 raise TimeoutError(f"no complete reply within the {self.deadline:g} s deadline") from None
@@ -547,7 +577,12 @@ class ChatServerAgent:
             if reply.status < 500 and reply.status not in (408, 429):  # 408, 429: try again later
                 raise RequestFailed(f"HTTP {reply.status}: {payload[:200]!r}")
             raise urllib.error.HTTPError(self.url, reply.status, reply.reason, reply.headers, None)
-        data = json.loads(payload)
+        if len(payload) > self.max_reply_bytes:
+            raise ReplyTooLong(f"the reply is longer than {self.max_reply_bytes} bytes")
+        try:
+            data = json.loads(payload)
+        except RecursionError:  # "[[[[..." deeper than Python's recursion limit
+            raise ValueError("the reply is nested too deeply to decode") from None
         content = data["choices"][0]["message"]["content"]
         if not isinstance(content, str):
             raise TypeError(f"message content is {type(content).__name__}, not text")
@@ -888,6 +923,8 @@ def add_server_flags(parser):
 
 
 def check_server_flags(args, parser):
+    if args.base_url is not None and (problem := url_problem(args.base_url)):
+        raise SystemExit(f"{parser.prog}: error: --base-url {args.base_url!r}: {problem}")
     for flag, value, lowest, strict in [("--concurrency", args.concurrency, 1, False),
                                         ("--max-tokens", args.max_tokens, 1, False),
                                         ("--timeout", args.timeout, 0, True), ("--retries", args.retries, 0, False),

@@ -1,5 +1,9 @@
-"""The chat-server agent's deadline: a server that sends a byte now and then, never enough for the
-per-read timeout to fire, is cut at the deadline and its reply counted as an invalid action."""
+"""The chat-server agent against servers that misbehave, and its flags.
+
+A server that sends a byte now and then, never enough for the per-read timeout to fire, is cut at
+the deadline; a reply nested too deeply to decode, or one that never ends, is malformed content:
+each is counted as an invalid action and the evaluation goes on. A --base-url that is no server
+address is refused before anything is played."""
 
 import json
 import threading
@@ -83,3 +87,82 @@ def test_bad_server_flags_are_rejected(flag, value, capsys):
     with pytest.raises(SystemExit) as stop:
         baselines.main(["--agent", "server", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", flag, value])
     assert stop.value.code != 0 and flag in capsys.readouterr().err
+
+
+class Misbehaving(BaseHTTPRequestHandler):
+    """POST /nested/...: 200 with a body of 200,000 "[". POST /endless/...: 200 with a body that
+    never ends (64 KB a millisecond, until the client hangs up)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        nested = self.path.startswith("/nested/")
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length" if nested else "Connection", "200000" if nested else "close")
+        self.end_headers()
+        try:
+            if nested:
+                self.wfile.write(b"[" * 200_000)
+                return
+            while True:
+                self.wfile.write(b" " * 65536)
+                time.sleep(0.001)
+        except OSError:
+            pass  # the client hung up
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def misbehaving_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_reply_nested_too_deeply_is_invalid_and_the_evaluation_goes_on(misbehaving_server, tmp_path):
+    out = tmp_path / "result.json"
+    result = within(60, lambda: baselines.main([
+        "--agent", "server", "--base-url", f"{misbehaving_server}/nested/v1", "--model", "m",
+        "--episodes", "2", "--map", "classic", "--max-steps", "2", "--retries", "1",
+        "--backoff", "0", "--json", str(out)]))
+    assert result["invalid_rate"] == 1.0 and result["failed_requests"] == result["episodes"] * 2
+    assert result["request_errors"] == {"ValueError": 8}  # 4 requests, each tried twice
+    assert json.loads(out.read_text()) == result
+
+
+def test_an_endless_reply_is_cut_at_the_size_cap_and_counted_invalid(misbehaving_server):
+    agent = baselines.ChatServerAgent(f"{misbehaving_server}/endless/v1", "m", retries=0,
+                                      deadline=3.0)
+    started = time.monotonic()
+    result = within(60, lambda: envs.evaluate(agent, "frozen_lake", envs.heldout_seeds(2),
+                                              map="classic", max_steps=1))
+    assert result["invalid_rate"] == 1.0 and agent.failures == 2
+    assert dict(agent.errors) == {"ReplyTooLong": 2}  # cut at 1 MiB, not at the deadline
+    assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("base_url, problem", [
+    ("localhost:8000/v1", "http:// or https://"), ("htp://localhost:8000/v1", "http:// or https://"),
+    ("http://:8000/v1", "no host"), ("http://localhost:99999/v1", "port"),
+    ("http://localhost:0/v1", "port"), ("https://localhost:port/v1", "port")])
+def test_a_base_url_that_is_no_server_address_is_refused_in_one_line(base_url, problem):
+    argv = ["--agent", "server", "--base-url", base_url, "--model", "m", "--episodes", "1",
+            "--map", "classic", "--max-steps", "1", "--retries", "0"]
+    with pytest.raises(SystemExit) as stop:
+        baselines.main(argv)
+    message = str(stop.value.code)
+    assert "--base-url" in message and problem in message and "\n" not in message
+    with pytest.raises(ValueError, match=problem):
+        baselines.ChatServerAgent(base_url, "m")
+
+
+def test_a_good_base_url_is_taken_with_or_without_a_port():
+    for base_url in ("http://localhost:8000/v1", "https://api.example.com/v1", "http://[::1]:80/v1"):
+        assert baselines.url_problem(base_url) == ""
