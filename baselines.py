@@ -365,13 +365,36 @@ def dqn_run_dir(env_name, env_options, runs="runs"):
     return Path(runs) / f"dqn-{env_name}{''.join(tags)}"
 
 
+DQN_FILES = ("model.pt", "config.json")
+
+
 def save_dqn(run_dir, q, cfg, stats):
+    """model.pt and config.json, each written whole, and both before either replaces its old one."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(q.state_dict(), run_dir / "model.pt")
     config = {"dqn": dataclasses.asdict(cfg), "n_inputs": q[0].in_features,
               "actions": envs.make(cfg.env, **cfg.env_options).actions, "training": stats}
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    text = json.dumps(config, indent=2).encode()
+    write_atomically({run_dir / "model.pt": lambda file: torch.save(q.state_dict(), file),
+                      run_dir / "config.json": lambda file: file.write(text)})
+
+
+def write_atomically(writes):
+    """{path: write}: write(file) fills a temporary file beside `path`, flushed to the disk; once
+    every file is written they are renamed over their paths. A save cut short (a full disk, a
+    kill) leaves the old files, never part of one."""
+    temporary = {Path(path): Path(path).with_name(f".{Path(path).name}.tmp") for path in writes}
+    try:
+        for path, write in writes.items():
+            with open(temporary[Path(path)], "wb") as file:
+                write(file)
+                file.flush()
+                os.fsync(file.fileno())
+        for path, tmp in temporary.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in temporary.values():
+            tmp.unlink(missing_ok=True)  # left only by a failed save
 
 
 def find_dqn_run(env_name, env_options, runs="runs", given=()):
@@ -900,6 +923,8 @@ def build_parser():
     dqn.add_argument("--train-steps", type=int, help="train for this many environment steps (else load)")
     dqn.add_argument("--runs", default="runs", help="where DQN weights are saved and looked for")
     dqn.add_argument("--dqn-dir", help="the DQN run folder (default runs/dqn-<env>[-<options>])")
+    dqn.add_argument("--overwrite", action="store_true",
+                     help="with --train-steps: replace the trained DQN the run folder holds")
     llm = parser.add_argument_group("language models")
     llm.add_argument("--llm-model", default="", help="local model for --agent llm "
                                                      "(default: msgrpo's, smollm2-135m on the CPU)")
@@ -957,6 +982,7 @@ def make_agent(args, options, parser):
         return server_agent(args)
     run_dir = Path(args.dqn_dir) if args.dqn_dir else dqn_run_dir(args.env, options, args.runs)
     if args.train_steps is not None:
+        refuse_to_replace(run_dir, args.overwrite, parser.prog)  # before the training, not after
         cfg = DQNConfig(env=args.env, env_options=options, train_steps=args.train_steps, seed=args.seed)
         start = time.time()
         q, stats = train_dqn(cfg)
@@ -968,6 +994,16 @@ def make_agent(args, options, parser):
     return DQNAgent.load(run_dir)
 
 
+def refuse_to_replace(run_dir, overwrite, prog):
+    """Stop with one line, before any training, where the run folder is a file, or holds a
+    trained DQN and --overwrite was not given."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SystemExit(f"{prog}: error: the DQN run folder {run_dir} is a file")
+    if not overwrite and any((run_dir / name).exists() for name in DQN_FILES):
+        raise SystemExit(f"{prog}: error: {run_dir} already holds a trained DQN: evaluate it "
+                         f"without --train-steps, or replace it with --overwrite")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in CRITIC_ALGOS:
@@ -977,6 +1013,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.episodes < 1:
         parser.error("--episodes must be at least 1")
+    if args.train_steps is not None and args.train_steps < 1:
+        raise SystemExit(f"{parser.prog}: error: --train-steps must be a positive integer, "
+                         f"got {args.train_steps}")
     check_server_flags(args, parser)
     try:
         options = env_options_from(args)

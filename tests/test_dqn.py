@@ -183,3 +183,69 @@ def test_dqn_eats_clearly_more_apples_than_random():
     dqn = envs.evaluate(baselines.DQNAgent(q, envs.SNAKE_ACTIONS), "snake", seeds)
     rand = envs.evaluate(baselines.RandomAgent(), "snake", seeds)
     assert dqn["apples_ci95"][0] > rand["apples_ci95"][1], (dqn["apples_ci95"], rand["apples_ci95"])
+
+
+# --- the run folder: trained weights are replaced only when asked, and whole ------------------
+
+
+def train_cli(runs, steps, *extra):
+    return baselines.main(["--env", "frozen_lake", "--agent", "dqn", "--train-steps", str(steps),
+                           "--episodes", "1", "--map", "classic", "--runs", str(runs), *extra])
+
+
+def folder_bytes(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_train_steps_must_be_positive_before_anything_is_written(tmp_path, steps):
+    with pytest.raises(SystemExit) as stop:
+        train_cli(tmp_path, steps)
+    message = str(stop.value.code)
+    assert "--train-steps must be a positive integer" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_trained_dqn_is_replaced_only_with_overwrite(tmp_path):
+    train_cli(tmp_path, 50)
+    run_dir = tmp_path / "dqn-frozen_lake-map=classic"
+    trained = folder_bytes(run_dir)
+    with pytest.raises(SystemExit) as stop:
+        train_cli(tmp_path, 60)
+    message = str(stop.value.code)
+    assert str(run_dir) in message and "--overwrite" in message and "\n" not in message
+    assert folder_bytes(run_dir) == trained
+    train_cli(tmp_path, 60, "--overwrite")
+    assert json.loads((run_dir / "config.json").read_text())["dqn"]["train_steps"] == 60
+    assert sorted(path.name for path in run_dir.iterdir()) == ["config.json", "model.pt"]
+
+
+def test_a_save_cut_short_leaves_the_trained_dqn_whole(tmp_path, monkeypatch):
+    train_cli(tmp_path, 50)
+    run_dir = tmp_path / "dqn-frozen_lake-map=classic"
+    trained = folder_bytes(run_dir)
+
+    def disk_full(state, file):
+        file.write(b"half a model")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(baselines.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        train_cli(tmp_path, 60, "--overwrite")
+    assert folder_bytes(run_dir) == trained  # the old files, and no temporary one beside them
+
+
+def test_files_written_together_replace_the_old_ones_only_once_all_are_whole(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    baselines.write_atomically({first: lambda file: file.write(b"old a"),
+                                second: lambda file: file.write(b"old b")})
+
+    def half_then_fail(file):
+        file.write(b"ne")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        baselines.write_atomically({first: lambda file: file.write(b"new a"), second: half_then_fail})
+    assert folder_bytes(tmp_path) == {"a.json": b"old a", "b.json": b"old b"}
+    baselines.write_atomically({first: lambda file: file.write(b"new a")})
+    assert folder_bytes(tmp_path) == {"a.json": b"new a", "b.json": b"old b"}
