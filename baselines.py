@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 import envs
 import msgrpo
+import support
 
 # ---------------------------------------------------------------------------------------------
 # 1. Random and optimal: the floor and the ceiling
@@ -631,7 +632,7 @@ class ChatServerAgent:
 #    rather than the number of actions. With one-token actions the two are the same.
 #
 #    MS-GRPO and POAD differ in one function, msgrpo.train's `update`: msgrpo.msgrpo_update there,
-#    poad_update here. Rollouts, loss, run folder and evaluation are msgrpo.py's.
+#    poad_update here. Rollouts, loss and evaluation are msgrpo.py's; the run folder is support.py's.
 #        python baselines.py poad --env frozen_lake          (ntpo: the naive backup)
 # ---------------------------------------------------------------------------------------------
 
@@ -757,8 +758,8 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
     steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
     old_logprobs, old_values = [], []
     model.eval()
-    with torch.no_grad(), msgrpo.packed_4bit_weights(model):
-        for micro in msgrpo.chunks(steps, cfg.micro_batch):
+    with torch.no_grad(), support.packed_4bit_weights(model):
+        for micro in support.chunks(steps, cfg.micro_batch):
             logprobs, _, values = logprobs_and_values(model, msgrpo.collate_steps(micro, tokenizer.pad_token_id),
                                                       cfg.temperature)
             for row, (_, response, _) in enumerate(micro):
@@ -784,11 +785,11 @@ def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep]
     order = [steps[i] for i in rng.permutation(len(steps))]
     stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
     for _ in range(cfg.epochs):
-        for minibatch in msgrpo.chunks(order, cfg.minibatch):
+        for minibatch in support.chunks(order, cfg.minibatch):
             optimizer.zero_grad(set_to_none=True)
             total_tokens = sum(len(s.response) for s in minibatch)
             logged = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0}
-            for micro in msgrpo.chunks(minibatch, cfg.micro_batch):
+            for micro in support.chunks(minibatch, cfg.micro_batch):
                 batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
                 logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
                 width = mask.shape[1]
@@ -829,7 +830,7 @@ def train_poad(cfg: POADConfig, resume: bool = False) -> Path:
     return msgrpo.train(cfg, resume=resume, update=poad_update, extra_modules=value_head_beside)
 
 
-POAD_RANGES = {  # checked with msgrpo.SETTING_RANGES before the model loads
+POAD_RANGES = {  # checked with support.SETTING_RANGES before the model loads
     "gamma": (lambda v: 0 <= v <= 1, "from 0 to 1"),
     "gae_lambda": (lambda v: 0 <= v <= 1, "from 0 to 1"),
     "vf_coef": (lambda v: v >= 0, "at least 0"),
@@ -845,7 +846,8 @@ def train_poad_main(algo: str, argv: list[str]) -> Path:
         parser.add_argument(f"--{name}", type=float, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     args = parser.parse_args(argv)
     args.algo = algo
-    cfg, resume = msgrpo.config_from_args(args, POADConfig, msgrpo.SETTING_RANGES | POAD_RANGES)
+    cfg, resume = support.config_from_args(args, POADConfig, msgrpo.resolve_defaults, msgrpo.env_options,
+                                           support.SETTING_RANGES | POAD_RANGES)
     return train_poad(cfg, resume=resume)
 
 
@@ -917,7 +919,7 @@ def build_parser():
     game.add_argument("--apples", type=int, help="Snake: apples on the board")
     game.add_argument("--bananas", type=int, help="Snake Poison Apple: bananas on the board")
     game.add_argument("--opponent", action="store_true", help="Snake: add a random opponent snake")
-    game.add_argument("--env-opt", action="append", type=msgrpo.parse_env_option, metavar="KEY=VALUE",
+    game.add_argument("--env-opt", action="append", type=support.parse_env_option, metavar="KEY=VALUE",
                       help="any game option, as msgrpo.py takes it: slippery=false, hole_penalty=-1 ...")
     dqn = parser.add_argument_group("DQN")
     dqn.add_argument("--train-steps", type=int, help="train for this many environment steps (else load)")

@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import baselines  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 
 def trained(run_dir: Path, iterations: int) -> bool:
-    return (run_dir / "adapter").exists() and len(msgrpo.read_metrics(run_dir)) >= iterations
+    return (run_dir / "adapter").exists() and len(support.read_metrics(run_dir)) >= iterations
 
 
 def config_and_trainer(setting: str, value: str, **settings):
@@ -53,19 +54,19 @@ def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
 
 
 def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> dict:
-    cfg = msgrpo.load_config(run_dir)
+    cfg = support.load_config(run_dir, msgrpo.Config, msgrpo.resolve_defaults)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run_dir / "adapter")
     greedy_cfg = dataclasses.replace(cfg, eval_episodes=greedy_episodes)
     result = msgrpo.evaluate_greedy_and_sampled(model, tokenizer, greedy_cfg, sampled_episodes)
-    msgrpo.record_eval(run_dir, cfg.iterations, result)
+    support.record_eval(run_dir, cfg.iterations, result)
     return result
 
 
 def summary(run_dir: Path, setting: str) -> dict:
-    saved = msgrpo.load_json(run_dir / "config.json")
-    cfg = {**dataclasses.asdict(msgrpo.load_config(run_dir)), "algo": algo_of(saved)}
-    metrics = msgrpo.read_metrics(run_dir)
-    final = msgrpo.load_json(run_dir / "eval.json")[-1]
+    saved = support.load_json(run_dir / "config.json")
+    cfg = {**dataclasses.asdict(support.load_config(run_dir, msgrpo.Config, msgrpo.resolve_defaults)), "algo": algo_of(saved)}
+    metrics = support.read_metrics(run_dir)
+    final = support.load_json(run_dir / "eval.json")[-1]
     return {setting: cfg[setting], "seed": cfg["seed"], "think": cfg["think"], "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
             "env_steps": round(sum(m["mean_steps"] for m in metrics) * cfg["groups"] * cfg["group_size"]),
@@ -138,7 +139,7 @@ def main(argv=None):
     for seed in args.seeds:
         for value in args.values:
             run_dir = train_run(args.setting, value, seed, args.runs, args)
-            final = (msgrpo.load_json(run_dir / "eval.json") or [{}])[-1]
+            final = (support.load_json(run_dir / "eval.json") or [{}])[-1]
             if final.get("episodes") != args.greedy_episodes or final.get("sampled", {}).get("episodes") != args.sampled_episodes:
                 evaluate_run(run_dir, args.greedy_episodes, args.sampled_episodes)
             keep = args.out / run_dir.name

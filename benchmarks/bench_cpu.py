@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 
 def peak_memory_mb() -> float:
@@ -59,7 +60,7 @@ def rollouts(model, tokenizer, cfg, seeds, once: bool):
     original = msgrpo.sample_responses
 
     def plain(*args, **kwargs):
-        msgrpo.action_end_criterion.cache_clear()  # as transformers does when given stop_strings
+        support.stop_string_criterion.cache_clear()  # as transformers does when given stop_strings
         return original(*args, **kwargs, share_prefix=False)
 
     with mock.patch.object(msgrpo, "sample_responses", plain):
@@ -69,7 +70,7 @@ def rollouts(model, tokenizer, cfg, seeds, once: bool):
 def trained_steps(model, tokenizer, cfg, steps, once: bool):
     """Forward + backward over every step, in the update's micro-batches (no optimizer step); returns
     the number of steps."""
-    with msgrpo.dequantized_4bit_weights(model) if once else contextlib.nullcontext():
+    with support.dequantized_4bit_weights(model) if once else contextlib.nullcontext():
         for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
             model.zero_grad(set_to_none=True)
             for micro in minibatch:
@@ -118,7 +119,7 @@ def main(argv=None):
         ("model, threads", f"{args.model}, {torch.get_num_threads()}"),
         ("rollouts", f"{args.groups} groups x {args.group_size} episodes, step limit {args.max_steps}: "
                      f"{env_steps} env steps ({distinct} distinct), prompt {np.mean([len(p) for p in prompts]):.0f} "
-                     f"tokens, {msgrpo.shared_prefix_length(prompts)} shared by all"),
+                     f"tokens, {support.shared_prefix_length(prompts)} shared by all"),
         ("(a) rollout step, plain (s per env step)", f"{rollout[False]:.3f}"),
         ("(a) rollout step, once (s per env step)", f"{rollout[True]:.3f}"),
         ("(a) speed-up", f"**{rollout[False] / rollout[True]:.1f}x**"),

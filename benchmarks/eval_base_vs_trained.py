@@ -15,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 
 def main(argv=None):
@@ -24,21 +25,21 @@ def main(argv=None):
     parser.add_argument("--sampled", action="store_true",
                         help="also play both sampled at T = 1 (stored under 'sampled', as train() does)")
     args = parser.parse_args(argv)
-    cfg = msgrpo.load_config(args.run_dir)
+    cfg = support.load_config(args.run_dir, msgrpo.Config, msgrpo.resolve_defaults)
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.run_dir / "adapter")
-    iteration = msgrpo.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration
+    iteration = support.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration
     for adapter_on, at in [(True, iteration), (False, 0)]:
         with contextlib.nullcontext() if adapter_on else model.disable_adapter():
             evaluate = msgrpo.evaluate_greedy_and_sampled if args.sampled else msgrpo.evaluate_policy
             result = evaluate(model, tokenizer, cfg)
-        msgrpo.record_eval(args.run_dir, at, result)
-    msgrpo.plot_curves(args.run_dir)
-    evals = msgrpo.load_json(args.run_dir / "eval.json")
-    print(msgrpo.eval_table(evals))
+        support.record_eval(args.run_dir, at, result)
+    support.plot_curves(args.run_dir)
+    evals = support.load_json(args.run_dir / "eval.json")
+    print(support.eval_table(evals))
     if args.sampled:
         print("sampled at T = 1:")
-        print(msgrpo.eval_table(msgrpo.sampled_evals(evals)))
+        print(support.eval_table(support.sampled_evals(evals)))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ The second table is the other reference: rules that read the observation's "Next
 ("down unless that is a hole or the edge, else right") and play greedily. They show what reading
 one line of the prompt is worth.
 
-The third table scores those rules with the trainer's map-reading probe (msgrpo.probe_summary, on
+The third table scores those rules with the trainer's map-reading probe (support.probe_summary, on
 msgrpo's probe states): what a policy that reads only what lies below it gets for P(right) into a
 hole / onto ice, next to one that also reads what lies to its right.
 """
@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 
 def route_cells(route: str) -> list[tuple[int, int]]:
@@ -59,11 +60,11 @@ def neighbour_rule_wins(map_rows, *preference) -> bool:
 
 
 def rule_on_the_probe(preference) -> dict:
-    """The map-reading probe's numbers (msgrpo.probe_summary) for greedy play of rule_move."""
+    """The map-reading probe's numbers (support.probe_summary) for greedy play of rule_move."""
     cfg = msgrpo.Config()
-    states = envs.probe_states(msgrpo.PROBE_MAPS, msgrpo.PROBE_FIRST_SEED, **msgrpo.env_options(cfg))
+    states = envs.probe_states(support.PROBE_MAPS, support.PROBE_FIRST_SEED, **msgrpo.env_options(cfg))
     moves = np.array([rule_move(map_rows, cell, preference) for map_rows, cell, _ in states])
-    return msgrpo.probe_summary(states, np.eye(4)[moves], moves, envs.make(cfg.env, **msgrpo.env_options(cfg)).max_steps)
+    return support.probe_summary(states, np.eye(4)[moves], moves, envs.make(cfg.env, **msgrpo.env_options(cfg)).max_steps)
 
 
 RULES = [("down", "right"), ("right", "down"), ("down", "right", "left", "up")]

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 QWEN25_3B = dict(
     hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
@@ -57,7 +58,7 @@ def random_qwen_folder(folder: Path, layers: int) -> Path:
     """Qwen2.5-3B's architecture (first `layers` layers) with random bf16 weights, as a model folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    tokenizer = AutoTokenizer.from_pretrained(msgrpo.model_path("smollm2-135m"))
+    tokenizer = AutoTokenizer.from_pretrained(support.model_path("smollm2-135m"))
     config = Qwen2Config(**{**QWEN25_3B, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 EXAMPLES = "Answer with exactly one action word from the action list, inside <action></action>, e.g. "
 FORMATS = {
@@ -40,9 +41,9 @@ FORMATS = {
 
 def cell_probabilities(model, tokenizer, cfg, states):
     """{(map, cell): (P(first reply token names each move), greedy move or None)} per probe state
-    (envs.probe_states), by msgrpo.move_probabilities under cfg's prompt."""
-    observations = [obs for _, _, obs in states]
-    probs, greedy = msgrpo.move_probabilities(model, tokenizer, cfg, observations, greedy=True)
+    (envs.probe_states), by support.move_probabilities under cfg's prompt."""
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, obs, cfg) for _, _, obs in states]
+    probs, greedy = support.move_probabilities(model, tokenizer, prompts, cfg.micro_batch, greedy=True)
     return {(map_rows, cell): (p, int(move) if move >= 0 else None)
             for (map_rows, cell, _), p, move in zip(states, probs, greedy)}
 

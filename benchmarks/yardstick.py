@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 
 TRAIN_MAP_SEED = 10_000  # training states: one per map of seeds 10_000, 10_001, ... (below 20_000)
 HELDOUT_MAP_SEED = 20_000  # held-out state i: on the map of seed 20_000 + i
@@ -202,7 +203,8 @@ def prompt_ids(tokenizer, cfg, state, wording):
 def move_probabilities(model, tokenizer, cfg, states, wording):
     """[len(states), 4]: P(the reply's first token names each move), one forward per state."""
     observations = [WORDINGS[wording](s.map_rows, s.position, s.steps_left) for s in states]
-    return msgrpo.move_probabilities(model, tokenizer, cfg, observations)
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, observation, cfg) for observation in observations]
+    return support.move_probabilities(model, tokenizer, prompts, cfg.micro_batch)
 
 
 def score(model, tokenizer, cfg, states, wording):
@@ -229,7 +231,7 @@ def target_ids(tokenizer, label):
 
 def check_targets_start_with_the_move(tokenizer):
     """Training raises the target's first token and scoring reads the move tokens: they must agree."""
-    first_tokens = msgrpo.move_token_ids(tokenizer)
+    first_tokens = support.move_token_ids(tokenizer)
     for label in ("down", "right"):
         if target_ids(tokenizer, label)[0] not in first_tokens[envs.FROZEN_LAKE_ACTIONS.index(label)]:
             raise ValueError(f"{label}</action> does not start with a token that scoring counts as {label}")

@@ -24,6 +24,7 @@ import torch
 import baselines
 import envs
 import msgrpo
+import support
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import compare  # noqa: E402
@@ -181,7 +182,7 @@ def free_port():
 @pytest.fixture(scope="module")
 def transformers_server(tmp_path_factory):
     """`transformers serve` (transformers' own OpenAI-compatible server) on the bundled SmolLM2."""
-    folder, port = msgrpo.model_path("smollm2-135m"), free_port()
+    folder, port = support.model_path("smollm2-135m"), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [str(Path(sys.executable).parent / "transformers"), "serve", folder, "--host", "127.0.0.1",
                "--port", str(port), "--device", "cpu", "--dtype", "float32"]

@@ -15,6 +15,7 @@ import fixed_routes  # noqa: E402
 import prompt_probe  # noqa: E402
 import yardstick  # noqa: E402
 import msgrpo  # noqa: E402
+import support  # noqa: E402
 import envs  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     assert "| msgrpo | 0 |" in (tmp_path / "out" / "ablation.md").read_text()
     rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
     assert [(r["algo"], r["seed"], r["iterations"]) for r in rows] == [("msgrpo", 0, 1)]
-    metrics = msgrpo.read_metrics(kept)
+    metrics = support.read_metrics(kept)
     config = json.loads((kept / "config.json").read_text())
     episodes = config["groups"] * config["group_size"]
     assert rows[0]["env_steps"] == round(metrics[0]["mean_steps"] * episodes)

@@ -8,6 +8,7 @@ import torch
 
 import baselines
 import msgrpo
+import support
 
 
 @pytest.fixture(autouse=True)
@@ -41,22 +42,26 @@ def test_bad_settings_stop_before_the_model_loads(argv, named, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def validate(**settings):
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(**settings))
+    support.validate_config(cfg, msgrpo.env_options(cfg))
+
+
 def test_a_start_game_option_warns_that_evaluation_starts_there_too(tmp_path, capsys):
-    msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(env_options={"start": "ice"}, run_dir=str(tmp_path / "r"))))
+    validate(env_options={"start": "ice"}, run_dir=str(tmp_path / "r"))
     assert "held-out evaluation" in capsys.readouterr().err
-    msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(run_dir=str(tmp_path / "r"))))
+    validate(run_dir=str(tmp_path / "r"))
     assert capsys.readouterr().err == ""
 
 
 def test_training_starts_are_checked_and_old_runs_keep_theirs(tmp_path):
     with pytest.raises(SystemExit, match="--training-start is corner; for frozen_lake it must be one of S, ice"):
-        msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(training_start="corner", run_dir=str(tmp_path))))
+        validate(training_start="corner", run_dir=str(tmp_path))
     with pytest.raises(SystemExit, match="for snake it must be one of standard, facing_wall"):
-        msgrpo.validate_config(msgrpo.resolve_defaults(msgrpo.Config(env="snake", training_start="beside_hole",
-                                                                     run_dir=str(tmp_path))))
+        validate(env="snake", training_start="beside_hole", run_dir=str(tmp_path))
     for exploring, start in ((True, "beside_hole"), (False, "S")):  # config.json before starts had names
         (tmp_path / "config.json").write_text(json.dumps({"env": "frozen_lake", "exploring_starts": exploring}))
-        assert msgrpo.load_config(tmp_path).training_start == start
+        assert support.load_config(tmp_path, msgrpo.Config, msgrpo.resolve_defaults).training_start == start
 
 
 def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
@@ -71,10 +76,10 @@ def saved_run(tmp_path):
     run_dir.mkdir()
     cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", iterations=2, env_options={"max_steps": 8},
                                                 run_dir=str(run_dir)))
-    msgrpo.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
+    support.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
     torch.save({"iteration": 2, "optimizer": {}, "lora": {}}, run_dir / "checkpoint.pt")
     (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
-    msgrpo.save_json(run_dir / "eval.json", [{"iteration": 0}])
+    support.save_json(run_dir / "eval.json", [{"iteration": 0}])
     return run_dir
 
 
@@ -101,8 +106,8 @@ def test_an_older_checkpoint_without_its_adapter_names_the_folder(saved_run):
 
 
 def test_resume_adds_game_options_to_the_saved_ones(saved_run):
-    cfg, resume = msgrpo.config_from_args(msgrpo.build_parser().parse_args(
-        ["--resume", str(saved_run), "--env-opt", "slippery=true"]))
+    args = msgrpo.build_parser().parse_args(["--resume", str(saved_run), "--env-opt", "slippery=true"])
+    cfg, resume = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
     assert resume and cfg.env_options == {"max_steps": 8, "slippery": True}
     assert "size" in stopped(["--resume", str(saved_run), "--env-opt", "size=0"])
 

@@ -5,6 +5,7 @@ import pytest
 import baselines
 import envs
 import msgrpo
+import support
 
 
 @pytest.mark.parametrize("text, value", [("False", False), ("false", False), ("off", False), ("no", False),
@@ -41,8 +42,8 @@ def test_a_string_is_never_taken_for_a_boolean_or_a_number():
 
 
 def test_slippery_false_means_firm_ice_in_both_command_lines():
-    cfg, _ = msgrpo.config_from_args(msgrpo.build_parser().parse_args(
-        ["--env-opt", "slippery=False", "--run-dir", "unused-run"]))
+    args = msgrpo.build_parser().parse_args(["--env-opt", "slippery=False", "--run-dir", "unused-run"])
+    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
     assert cfg.env_options == {"slippery": False}
     result = baselines.main(["--agent", "random", "--episodes", "2", "--env-opt", "slippery=off"])
     assert result["env_options"]["slippery"] is False

@@ -9,6 +9,7 @@ import torch
 
 import envs
 import msgrpo
+import support
 
 
 def tiny_config(**overrides):
@@ -106,18 +107,18 @@ def test_checkpoints_keep_and_restore_the_cuda_random_state_where_cuda_exists(mo
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     rng = np.random.default_rng(0)
-    msgrpo.save_checkpoint(tmp_path, model, optimizer, rng, 3)
-    assert "cuda_rng" not in msgrpo.load_checkpoint(tmp_path)  # no CUDA: nothing to keep
+    support.save_checkpoint(tmp_path, model, optimizer, rng, 3)
+    assert "cuda_rng" not in support.load_checkpoint(tmp_path)  # no CUDA: nothing to keep
 
     cuda_state = [torch.arange(4, dtype=torch.uint8)]
     restored = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: cuda_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
-    msgrpo.save_checkpoint(tmp_path, model, optimizer, rng, 4)
-    checkpoint = msgrpo.load_checkpoint(tmp_path)
+    support.save_checkpoint(tmp_path, model, optimizer, rng, 4)
+    checkpoint = support.load_checkpoint(tmp_path)
     assert torch.equal(checkpoint["cuda_rng"][0], cuda_state[0])
     rng.random(5)  # move the generator on; restoring brings it back
-    msgrpo.restore_random_state(checkpoint, rng)
+    support.restore_random_state(checkpoint, rng)
     assert rng.bit_generator.state == np.random.default_rng(0).bit_generator.state
     assert len(restored) == 1 and torch.equal(restored[0][0], cuda_state[0])

@@ -11,6 +11,7 @@ import torch
 
 import envs
 import msgrpo
+import support
 
 # --- returns and group advantages --------------------------------------------------------------
 
@@ -235,11 +236,11 @@ def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
 
 
 def test_shared_prefix_length_leaves_keep_tokens_of_every_row():
-    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
-    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=1) == 3
-    assert msgrpo.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=3) == 1
-    assert msgrpo.shared_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share
-    assert msgrpo.shared_prefix_length([[5, 2], [1, 2]]) == 0
+    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
+    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=1) == 3
+    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=3) == 1
+    assert support.shared_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share
+    assert support.shared_prefix_length([[5, 2], [1, 2]]) == 0
 
 
 def _lap_steps(tokenizer, cfg, responses):
@@ -305,7 +306,7 @@ def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_grad
     results = {}
     for kept in (False, True):
         model.zero_grad()
-        with msgrpo.dequantized_4bit_weights(model) if kept else contextlib.nullcontext():
+        with support.dequantized_4bit_weights(model) if kept else contextlib.nullcontext():
             assert all(("forward" in vars(layer)) == (kept and not torch.cuda.is_available()) for layer in layers)
             logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
             msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
@@ -351,11 +352,11 @@ def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(
 def test_the_stop_criterion_is_built_once_per_tokenizer(tiny):
     """transformers builds a stop-string criterion by scanning the whole vocabulary: once, not per step."""
     cfg, model, tokenizer = tiny
-    msgrpo.action_end_criterion.cache_clear()
+    support.stop_string_criterion.cache_clear()
     prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
     for _ in range(3):
         msgrpo.sample_responses(model, tokenizer, [prompt, prompt], 4, 1.0)
-    assert msgrpo.action_end_criterion.cache_info().misses == 1
+    assert support.stop_string_criterion.cache_info().misses == 1
 
 
 def test_prompt_caching_samples_what_the_full_prompts_sample(tiny):
@@ -436,7 +437,7 @@ def test_two_iterations_leave_a_complete_run_folder(tmp_path):
     for name in ["config.json", "metrics.jsonl", "eval.json", "checkpoint.pt", "curves.png",
                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors"]:
         assert (run / name).exists(), name
-    metrics = msgrpo.read_metrics(run)
+    metrics = support.read_metrics(run)
     assert [m["iteration"] for m in metrics] == [1, 2]
     assert all(0 <= m["invalid_rate"] <= 1 and 0 <= m["distinct_responses"] <= 1 for m in metrics)
     evals = json.loads((run / "eval.json").read_text())
@@ -448,7 +449,7 @@ def test_two_iterations_leave_a_complete_run_folder(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(msgrpo.tiny_model_folder())
+    base = AutoModelForCausalLM.from_pretrained(support.tiny_model_folder())
     assert isinstance(PeftModel.from_pretrained(base, str(run / "adapter")), PeftModel)
 
 
@@ -457,7 +458,7 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
     stopped = msgrpo.main(TINY_RUN + ["--iterations", "2", "--run-dir", str(tmp_path / "b")])
     resumed = msgrpo.main(["--resume", str(stopped), "--iterations", "3"])
     assert resumed == stopped
-    assert _without_timing(msgrpo.read_metrics(resumed)) == _without_timing(msgrpo.read_metrics(straight))
+    assert _without_timing(support.read_metrics(resumed)) == _without_timing(support.read_metrics(straight))
 
 
 def test_flags_given_with_resume_are_used_and_saved(tmp_path):
@@ -474,7 +475,7 @@ def test_flags_given_with_resume_are_used_and_saved(tmp_path):
     with mock.patch.object(msgrpo, "train_iteration", spy):
         msgrpo.main(["--resume", str(stopped), "--iterations", "2", "--lr", "5e-5"])
     assert seen == [5e-5]
-    saved = msgrpo.load_json(stopped / "config.json")
+    saved = support.load_json(stopped / "config.json")
     assert (saved["lr"], saved["iterations"]) == (5e-5, 2)
 
 
@@ -495,9 +496,9 @@ def test_the_late_phase_lowers_the_rate_and_heats_the_rollouts_after_late_after_
         msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--late-after", "1", "--late-lr", "1e-5",
                                 "--temperature", "0.7", "--late-temperature", "1.5", "--run-dir", str(run)])
     assert seen == [(1e-3, 0.7), (1e-5, 1.5)]
-    logged = [(m["lr"], m["temperature"]) for m in msgrpo.read_metrics(run)]
+    logged = [(m["lr"], m["temperature"]) for m in support.read_metrics(run)]
     assert logged == seen
-    assert msgrpo.load_config(run).temperature == 0.7  # the phase's temperature is not saved as the run's
+    assert support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults).temperature == 0.7  # the phase's temperature is not saved as the run's
 
 
 def test_bad_cli_input_fails_clearly(capsys):
@@ -516,7 +517,7 @@ def test_bad_cli_input_fails_clearly(capsys):
 def test_bundled_smollm2_runs_one_iteration(tmp_path):
     run = msgrpo.main(["--env", "frozen_lake", "--model", "smollm2-135m", "--iterations", "1",
                        "--eval-episodes", "8", "--run-dir", str(tmp_path / "smol")])
-    assert len(msgrpo.read_metrics(run)) == 1
+    assert len(support.read_metrics(run)) == 1
     assert envs.heldout_seeds(1)[0] >= envs.HELDOUT_SEED_START
 
 
@@ -530,8 +531,8 @@ def test_committed_adapter_reproduces_its_held_out_success():
     from peft import PeftModel
 
     run = Path(__file__).resolve().parent.parent / "results" / "frozen_lake_cpu"
-    cfg = dataclasses.replace(msgrpo.load_config(run), eval_episodes=64)
-    trained = msgrpo.load_json(run / "eval.json")[-1]
+    cfg = dataclasses.replace(support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults), eval_episodes=64)
+    trained = support.load_json(run / "eval.json")[-1]
     assert trained["iteration"] > 0 and trained["episodes"] >= 200
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run / "adapter")
     assert isinstance(model, PeftModel)
@@ -581,7 +582,7 @@ def test_generation_swaps_the_packed_layout_in_and_out(tiny):
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     before = [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers]
     prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
-    with msgrpo.packed_4bit_weights(model):
+    with support.packed_4bit_weights(model):
         packed = [bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False)) for m in layers]
     msgrpo.sample_responses(model, tokenizer, [prompt], 4, 1.0)
     assert [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers] == before
@@ -602,12 +603,12 @@ def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
 def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
     frozen_lake = {"iteration": 12, "episodes": 4, "success_rate": 0.25, "success_ci95": [0.046, 0.699],
                    "mean_return": 0.25, "return_ci95": [-0.2, 0.7], "invalid_rate": 0.5}
-    text = msgrpo.eval_table([frozen_lake])
+    text = support.eval_table([frozen_lake])
     assert "apples" not in text
     assert text.splitlines()[-1] == "| 12 | 4 | 0.250 (0.046 to 0.699) | 0.250 (-0.200 to 0.700) | 0.500 |"
     snake = {**frozen_lake, "success_rate": 0.0, "success_ci95": [0.0, 0.49], "mean_apples": 1.5,
              "apples_ci95": [1.0, 2.0]}
-    text = msgrpo.eval_table([snake])
+    text = support.eval_table([snake])
     assert "| apples (95% CI) |" in text.splitlines()[0]
     assert text.splitlines()[-1].endswith("| 1.500 (1.000 to 2.000) | 0.500 |")
 
@@ -651,12 +652,15 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     states = [(map_rows, cell, f"observation {i}") for i, cell in enumerate(table)]
     probabilities = np.array([[0.0, down, right, 0.0] for down, right in table.values()])
 
-    def fake_move_probabilities(model, tokenizer, cfg, observations, greedy=False):
-        assert observations == [obs for _, _, obs in states] and greedy
+    def fake_move_probabilities(model, tokenizer, prompts, micro_batch, greedy=False):
+        assert prompts == [f"prompt of {obs}" for _, _, obs in states] and greedy
         return probabilities, probabilities.argmax(1)
 
-    monkeypatch.setattr(msgrpo, "move_probabilities", fake_move_probabilities)
-    result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
+    def prompt_ids(observation):
+        return f"prompt of {observation}"
+
+    monkeypatch.setattr(support, "move_probabilities", fake_move_probabilities)
+    result = support.map_reading_probe(None, None, msgrpo.Config(), states, prompt_ids)
     assert set(result) == PROBE_KEYS
     assert result["probe_down_hole"] == pytest.approx(0.2) and result["probe_down_ice"] == pytest.approx(0.8)
     assert result["probe_down_ratio"] == pytest.approx(0.25)
@@ -664,7 +668,7 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     assert result["probe_right_ratio"] == pytest.approx(0.25)
     probabilities = probabilities[[1]]  # down walks onto ice only: no hole to compare with
     states = states[1:2]
-    result = msgrpo.map_reading_probe(None, None, msgrpo.Config(), states)
+    result = support.map_reading_probe(None, None, msgrpo.Config(), states, prompt_ids)
     assert math.isnan(result["probe_down_hole"]) and math.isnan(result["probe_down_ratio"])
 
 
@@ -677,20 +681,20 @@ def test_greedy_probe_success_walks_each_map_from_s_with_the_greedy_moves():
         for cell in msgrpo.envs.cells_with(map_rows, "F") + msgrpo.envs.cells_with(map_rows, "S"):
             states.append((map_rows, cell, "observation"))
             moves.append(route.get(cell, up))
-    assert msgrpo.probe_greedy_success(states, moves, max_steps=16) == 0.5  # `faller` has a hole at (1, 1)
-    assert msgrpo.probe_greedy_success(states, moves, max_steps=3) == 0.0  # 4 moves needed
+    assert support.probe_greedy_success(states, moves, max_steps=16) == 0.5  # `faller` has a hole at (1, 1)
+    assert support.probe_greedy_success(states, moves, max_steps=3) == 0.0  # 4 moves needed
     stuck = [-1 if (m, cell) == (winner, (1, 1)) else move for (m, cell, _), move in zip(states, moves)]
-    assert msgrpo.probe_greedy_success(states, stuck, max_steps=16) == 0.0  # an invalid reply stays put
+    assert support.probe_greedy_success(states, stuck, max_steps=16) == 0.0  # an invalid reply stays put
     into_edge = [up if (m, cell) == (winner, (0, 0)) else move for (m, cell, _), move in zip(states, moves)]
-    assert msgrpo.probe_greedy_success(states, into_edge, max_steps=16) == 0.0
+    assert support.probe_greedy_success(states, into_edge, max_steps=16) == 0.0
 
 
 def test_the_probe_applies_to_frozen_lake_with_the_prefilled_action_only():
-    assert msgrpo.probe_applies(msgrpo.Config())
+    assert support.probe_applies(msgrpo.Config())
     for cfg in [msgrpo.Config(env="snake"), msgrpo.Config(think=True), msgrpo.Config(prefill=False),
                 msgrpo.Config(probe_every=0)]:
-        assert not msgrpo.probe_applies(cfg)
-    assert [i for i in range(1, 12) if msgrpo.probe_due(msgrpo.Config(probe_every=5), i)] == [1, 5, 10]
+        assert not support.probe_applies(cfg)
+    assert [i for i in range(1, 12) if support.probe_due(msgrpo.Config(probe_every=5), i)] == [1, 5, 10]
 
 
 @pytest.fixture(scope="module")
@@ -701,7 +705,7 @@ def probe_runs(tmp_path_factory):
         cfg = msgrpo.resolve_defaults(msgrpo.Config(
             model="tiny", iterations=2, groups=2, group_size=4, env_options={"max_steps": 4}, eval_episodes=0,
             probe_every=probe_every, run_dir=str(tmp_path_factory.mktemp("probe") / f"every-{probe_every}")))
-        runs[probe_every] = msgrpo.read_metrics(msgrpo.train(cfg))
+        runs[probe_every] = support.read_metrics(msgrpo.train(cfg))
     return runs
 
 
@@ -713,7 +717,7 @@ def test_a_probed_run_logs_the_probe_in_every_metrics_line(probe_runs):
         assert all(math.isfinite(m[key]) and m[key] >= 0 for key in PROBE_KEYS)
         assert m["probe_down_ratio"] == pytest.approx(m["probe_down_hole"] / m["probe_down_ice"])
     assert not any(PROBE_KEYS & set(m) for m in probe_runs[0])
-    assert "hole/ice P(down)" in msgrpo.progress_line(metrics[0])
+    assert "hole/ice P(down)" in support.progress_line(metrics[0])
 
 
 def test_the_probe_does_not_move_the_training_random_numbers(probe_runs):
@@ -737,7 +741,7 @@ def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
         run = tmp_path / name
         run.mkdir()
         (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        msgrpo.plot_curves(run)
+        support.plot_curves(run)
         widths[name] = matplotlib.image.imread(run / "curves.png").shape[1]
     assert widths["probed"] > widths["snake"]  # a fourth panel, on a wider figure
 

@@ -8,6 +8,7 @@ import torch
 
 import baselines
 import msgrpo
+import support
 from test_msgrpo import TINY_RUN, _without_timing
 
 # --- the backups, by hand ---------------------------------------------------------------------
@@ -158,10 +159,10 @@ def test_critic_runs_save_the_value_head_and_resume_exactly(tmp_path, algo):
     straight = baselines.main(run + ["--iterations", "2", "--run-dir", str(tmp_path / "a")])
     stopped = baselines.main(run + ["--iterations", "1", "--run-dir", str(tmp_path / "b")])
     resumed = baselines.main([algo, "--resume", str(stopped), "--iterations", "2"])
-    assert msgrpo.load_json(resumed / "config.json")["algo"] == algo
-    metrics = msgrpo.read_metrics(resumed)
+    assert support.load_json(resumed / "config.json")["algo"] == algo
+    metrics = support.read_metrics(resumed)
     assert all(m["value_loss"] >= 0 and m["episodes_trained"] == 8 for m in metrics)
-    assert _without_timing(metrics) == _without_timing(msgrpo.read_metrics(straight))
+    assert _without_timing(metrics) == _without_timing(support.read_metrics(straight))
     assert "value_head" in torch.load(resumed / "checkpoint.pt", weights_only=False)
     adapter = (resumed / "adapter" / "adapter_model.safetensors")
     from safetensors.torch import load_file

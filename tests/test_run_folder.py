@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import msgrpo
+import support
 
 TINY = ["--env", "frozen_lake", "--model", "tiny", "--groups", "1", "--group-size", "3",
         "--env-opt", "max_steps=2", "--eval-episodes", "2", "--eval-every", "1", "--probe-every", "0"]
@@ -27,9 +28,9 @@ def returns_that_differ(monkeypatch):
 
 def outcome(run_dir):
     """What a run produced: its metrics (timing aside), its evaluations and its final weights."""
-    metrics = [{k: v for k, v in m.items() if k not in TIMING} for m in msgrpo.read_metrics(run_dir)]
-    checkpoint = msgrpo.load_checkpoint(run_dir)
-    return metrics, msgrpo.load_json(run_dir / "eval.json"), checkpoint["iteration"], checkpoint["lora"]
+    metrics = [{k: v for k, v in m.items() if k not in TIMING} for m in support.read_metrics(run_dir)]
+    checkpoint = support.load_checkpoint(run_dir)
+    return metrics, support.load_json(run_dir / "eval.json"), checkpoint["iteration"], checkpoint["lora"]
 
 
 def assert_same_outcome(run_dir, expected):
@@ -69,7 +70,7 @@ class SaveSteps:
         self.patch, self.kill_at, self.seen, self.active = patch, kill_at, [], False
 
     def __enter__(self):
-        save_iteration = msgrpo.save_iteration
+        save_iteration = support.save_iteration
 
         def watched_save_iteration(run_dir, model, optimizer, rng, iteration, metrics=None, extra=None):
             self.active = iteration == 1
@@ -78,7 +79,7 @@ class SaveSteps:
             finally:
                 self.active = False
 
-        self.patch.setattr(msgrpo, "save_iteration", watched_save_iteration)
+        self.patch.setattr(support, "save_iteration", watched_save_iteration)
         for owner, name, half_write in [(os, "replace", None), (os, "rename", None), (shutil, "rmtree", None),
                                         (torch, "save", self.half_save),
                                         (peft.PeftModel, "save_pretrained", self.half_save_pretrained)]:
@@ -125,7 +126,7 @@ def test_a_kill_anywhere_in_the_save_resumes_to_the_uninterrupted_run(straight, 
             with pytest.raises(SystemExit) as stopped:
                 msgrpo.main(TINY + ["--iterations", "2", "--run-dir", str(run_dir)])
             assert stopped.value.code == 130 and len(save_steps.seen) == kill_at
-        assert msgrpo.load_checkpoint(run_dir)["iteration"] in (0, 1)  # at most the unfinished iteration is lost
+        assert support.load_checkpoint(run_dir)["iteration"] in (0, 1)  # at most the unfinished iteration is lost
         msgrpo.main(["--resume", str(run_dir)])
         assert_same_outcome(run_dir, expected)
 
@@ -158,9 +159,9 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="non-finite") as stopped:
         msgrpo.main(TINY + ["--iterations", "2", "--eval-episodes", "0", "--run-dir", str(run_dir)])
     assert "lower --lr" in str(stopped.value.code)
-    checkpoint = msgrpo.load_checkpoint(run_dir)
+    checkpoint = support.load_checkpoint(run_dir)
     assert checkpoint["iteration"] == 0 and all(torch.isfinite(w).all() for w in checkpoint["lora"].values())
-    assert msgrpo.read_metrics(run_dir) == []
+    assert support.read_metrics(run_dir) == []
 
 
 def test_a_new_run_refuses_a_folder_that_holds_a_run_and_leaves_it_untouched(straight, tmp_path, monkeypatch):
@@ -185,7 +186,7 @@ def test_overwrite_replaces_the_old_run_entirely(straight, tmp_path):
     shutil.copytree(straight[0], run_dir)
     msgrpo.main(TINY + ["--iterations", "1", "--eval-every", "0", "--eval-episodes", "0", "--run-dir", str(run_dir),
                         "--overwrite"])
-    assert [m["iteration"] for m in msgrpo.read_metrics(run_dir)] == [1]
+    assert [m["iteration"] for m in support.read_metrics(run_dir)] == [1]
     assert not (run_dir / "eval.json").exists()  # no stale evaluation of the old run
     assert json.loads((run_dir / "config.json").read_text())["iterations"] == 1
 
@@ -207,7 +208,7 @@ def test_flags_given_with_resume_are_kept_by_the_next_resume(tmp_path, monkeypat
         patch.setattr(msgrpo, "train_iteration", interrupted_in_the_second)
         with pytest.raises(SystemExit):
             msgrpo.main(["--resume", str(run_dir), "--iterations", "3", "--env-opt", "slippery=true"])
-    saved = msgrpo.load_json(run_dir / "config.json")
+    saved = support.load_json(run_dir / "config.json")
     assert saved["iterations"] == 3 and saved["env_options"] == {"max_steps": 2, "slippery": True}
     msgrpo.main(["--resume", str(run_dir)])
-    assert [m["iteration"] for m in msgrpo.read_metrics(run_dir)] == [1, 2, 3]
+    assert [m["iteration"] for m in support.read_metrics(run_dir)] == [1, 2, 3]

