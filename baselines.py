@@ -632,7 +632,8 @@ class ChatServerAgent:
 #    rather than the number of actions. With one-token actions the two are the same.
 #
 #    MS-GRPO and POAD differ in one function, msgrpo.train's `update`: msgrpo.msgrpo_update there,
-#    poad_update here. Rollouts, loss and evaluation are msgrpo.py's; the run folder is support.py's.
+#    poad_update here. Rollouts, loss, gradient accumulation and evaluation are msgrpo.py's; the run
+#    folder is support.py's.
 #        python baselines.py poad --env frozen_lake          (ntpo: the naive backup)
 # ---------------------------------------------------------------------------------------------
 
@@ -778,32 +779,34 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
     return token_steps
 
 
+def policy_and_value_loss(model, tokenizer, micro: list[TokenStep], cfg: POADConfig):
+    """One micro-batch's loss, as msgrpo.accumulate_gradients takes it: the clipped policy loss with
+    per-token advantages + vf_coef * the clipped value loss; logged: each of the two."""
+    batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
+    logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
+    width = mask.shape[1]
+    advantages, returns, old_values, old_logprobs = (
+        right_aligned([getattr(s, name) for s in micro], width).to(logprobs.device)
+        for name in ("advantages", "returns", "old_values", "old_logprobs"))
+    policy_loss = msgrpo.clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip)
+    value_loss = clipped_value_loss(values, old_values, returns, mask, cfg.eps_clip)
+    return (policy_loss + cfg.vf_coef * value_loss, logprobs, old_logprobs, mask,
+            {"loss": policy_loss.item(), "value_loss": value_loss.item()})
+
+
 def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep], cfg: POADConfig,
                              rng: np.random.Generator) -> dict:
-    """PPO over every step: clipped policy loss with per-token advantages + vf_coef * clipped value loss."""
+    """PPO over every step, each minibatch one AdamW step on policy_and_value_loss, its gradient
+    accumulated over micro-batches as MS-GRPO's is (msgrpo.accumulate_gradients)."""
     model.train()
     order = [steps[i] for i in rng.permutation(len(steps))]
     stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
     for _ in range(cfg.epochs):
         for minibatch in support.chunks(order, cfg.minibatch):
-            optimizer.zero_grad(set_to_none=True)
-            total_tokens = sum(len(s.response) for s in minibatch)
-            logged = {"loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0}
-            for micro in support.chunks(minibatch, cfg.micro_batch):
-                batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
-                logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
-                width = mask.shape[1]
-                advantages, returns, old_values, old_logprobs = (
-                    right_aligned([getattr(s, name) for s in micro], width).to(logprobs.device)
-                    for name in ("advantages", "returns", "old_values", "old_logprobs"))
-                policy_loss = msgrpo.clipped_policy_loss(logprobs, old_logprobs, advantages, mask, cfg.eps_clip)
-                value_loss = clipped_value_loss(values, old_values, returns, mask, cfg.eps_clip)
-                weight = mask.sum().item() / total_tokens
-                ((policy_loss + cfg.vf_coef * value_loss) * weight).backward()
-                clipped = ((torch.exp(logprobs.detach() - old_logprobs) - 1).abs() > cfg.eps_clip) & mask.bool()
-                logged["loss"] += policy_loss.item() * weight
-                logged["value_loss"] += value_loss.item() * weight
-                logged["clip_frac"] += clipped.sum().item() / total_tokens
+            logged = msgrpo.accumulate_gradients(
+                optimizer, support.chunks(minibatch, cfg.micro_batch),
+                lambda micro: policy_and_value_loss(model, tokenizer, micro, cfg),
+                total_tokens=sum(len(s.response) for s in minibatch), eps_clip=cfg.eps_clip)
             for name, value in logged.items():
                 stats[name].append(value)
             # Clipped apart: one norm over both would let a large value gradient shrink the policy's.
