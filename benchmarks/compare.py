@@ -57,11 +57,19 @@ def optimum(env_name, options, seeds):
 
 
 def compare_agents(args):
-    """(name, factory or None, reason it is unavailable) for every agent asked for.
+    """(name, factory or None, reason it is unavailable) for every agent asked for: the local
+    agents, then the adapters, then the server.
 
     Factories take (env_name, options) and return an agent, or None when the agent does not
     exist for that game (a DQN is trained per game); loading a model happens once, on first use.
     """
+    agents = local_agents(args) + adapter_agents(args)
+    if args.base_url:
+        agents.append((server_name(args), cached(lambda: baselines.server_agent(args)), ""))
+    return agents
+
+
+def local_agents(args):
     agents = [("random", lambda env, opts: baselines.RandomAgent(args.seed), ""),
               ("optimal", lambda env, opts: baselines.OptimalAgent(), "")]
 
@@ -73,16 +81,40 @@ def compare_agents(args):
     base_model = baselines.lap_config(args.llm_model).model
     agents.append((f"{base_model} zero-shot", cached(lambda: baselines.LLMAgent(args.llm_model)),
                    llm_unavailable(base_model)))
-    adapters = dict(args.adapter or [])
+    return agents
+
+
+def server_name(args):
+    return f"server {args.model}"
+
+
+def adapter_agents(args):
+    adapters = dict(args.adapter or [])  # main has refused a name given twice
     if not adapters and "adapter" not in args.skip_defaults:
         name, path = DEFAULT_ADAPTER
         adapters[name] = path
+    agents = []
     for name, path in adapters.items():
         reason = "" if Path(path, "adapter_config.json").exists() else f"no adapter at {path}"
-        agents.append((name, cached(lambda p=path: baselines.LLMAgent(args.llm_model, adapter=p)), reason))
-    if args.base_url:
-        agents.append((f"server {args.model}", cached(lambda: baselines.server_agent(args)), ""))
+        load = cached(lambda p=path: baselines.LLMAgent(args.llm_model, adapter=p))
+        agents.append((name, load, reason))
     return agents
+
+
+def adapter_name_problem(args):
+    """Why an --adapter NAME cannot name a row, or "": a name given twice, or the name of another
+    agent (or the word --agents selects it by), would put two agents in one row."""
+    names = [name for name, _ in args.adapter or []]
+    others = [name for name, _, _ in local_agents(args)]
+    others += [server_name(args)] if args.base_url else []
+    for name in names:
+        if names.count(name) > 1:
+            return f"--adapter {name}=... is given twice; give each adapter its own name"
+        clashes = [other for other in others if name in (other, other.split()[0])]
+        if clashes:
+            return (f"--adapter {name}=...: {name!r} is taken by the {clashes[0]!r} row; "
+                    f"give the adapter another name")
+    return ""
 
 
 def cached(load):
@@ -138,9 +170,7 @@ def run_comparison(args):
                 print(f"skipped {name} on {column}: {why}")
                 continue
             print(f"{name} on {column} ...", flush=True)
-            result = envs.evaluate(agent, env_name, seeds, progress=True, **options)
-            if isinstance(agent, baselines.ChatServerAgent):
-                result.update(failed_requests=agent.failures, request_errors=dict(agent.errors))
+            result = evaluate_cell(agent, env_name, seeds, options)
             score, interval = score_of(result)
             reference = report["games"][column]["optimum"]
             result.update(score=score, score_ci95=interval,
@@ -151,6 +181,20 @@ def run_comparison(args):
     save_report(report, args)
     print(comparison_markdown(report))
     return report
+
+
+def evaluate_cell(agent, env_name, seeds, options):
+    """One cell's evaluation. A server agent plays every game: its requests are counted from zero
+    for each, so that a cell reports its own failures."""
+    server = isinstance(agent, baselines.ChatServerAgent)
+    if server:
+        agent.reset_counts()
+    result = envs.evaluate(agent, env_name, seeds, progress=True, **options)
+    if server:
+        result.update(requests=agent.requests, failed_requests=agent.failures,
+                      request_errors=dict(agent.errors))
+        print(agent.summary())
+    return result
 
 
 def note_skip(report, agent, game, reason):
@@ -170,13 +214,36 @@ def previous_report(out, seeds):
     slow rows (language models) and the fast ones can be computed by separate commands.
     """
     path = Path(out) / "comparison.json"
-    if not path.exists():
+    report = saved_report(path)
+    if report is None:
         return None
-    report = json.loads(path.read_text())
     if report.get("seeds") != [seeds[0], seeds[-1]] or report.get("episodes") != len(seeds):
         return None
     print(f"updating {path}: cells not recomputed now are kept")
     return report
+
+
+REPORT_KEYS = ("episodes", "seeds", "games", "results", "skipped")
+
+
+def saved_report(path):
+    """The comparison saved at `path`, or None if there is none. A damaged one stops the command
+    in one line that names it, and is left as it is: it may hold hours of evaluations."""
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as error:
+        raise SystemExit(damaged(path, f"{type(error).__name__}: {error}")) from None
+    missing = [key for key in REPORT_KEYS if not isinstance(report, dict) or key not in report]
+    if missing:
+        raise SystemExit(damaged(path, f"not a comparison: no {', '.join(missing)}"))
+    return report
+
+
+def damaged(path, why):
+    why = " ".join(why.split())  # one line, whatever the error said
+    return f"compare.py: {path} is damaged ({why}); move it away to start a new table"
 
 
 def result_cells(report):
@@ -187,9 +254,9 @@ def refuse_to_shrink(report, args):
     """A comparison holds hours of model evaluations: never replace it with one of fewer cells unless
     --replace says so (a table is only added to when the held-out seeds, --episodes, are the same)."""
     path = Path(args.out) / "comparison.json"
-    if args.replace or not path.exists():
+    saved = None if args.replace else saved_report(path)
+    if saved is None:
         return
-    saved = json.loads(path.read_text())
     if result_cells(report) < result_cells(saved):
         raise SystemExit(f"{path} holds {result_cells(saved)} result cells ({saved['episodes']} episodes each) and "
                          f"this command would replace it with {result_cells(report)}: run it with --episodes "
@@ -200,8 +267,9 @@ def save_report(report, args):
     refuse_to_shrink(report, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "comparison.json").write_text(json.dumps(report, indent=2))
-    (out / "comparison.md").write_text(comparison_markdown(report))
+    data, table = json.dumps(report, indent=2).encode(), comparison_markdown(report).encode()
+    baselines.write_atomically({out / "comparison.json": lambda file: file.write(data),
+                                out / "comparison.md": lambda file: file.write(table)})
 
 
 def option_flags(options):
@@ -216,7 +284,8 @@ def comparison_markdown(report):
              f"{report['episodes']} episodes per cell)", "",
              "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake scores the "
              "success rate (Wilson interval), Snake the mean return (normal interval). A cell with - was not "
-             "evaluated (see Skipped at the end, or it was not asked for).", ""]
+             "evaluated (see Skipped at the end, or it was not asked for); a server's cell whose "
+             "requests all failed reads failed (see Failed requests).", ""]
     lines.append("| agent | " + " | ".join(f"{c} ({g['score']})" for c, g in games.items()) + " |")
     lines.append("| --- |" + " ---: |" * len(games))
     lines.append("| *optimum* | " + " | ".join(f"{g['optimum']:.3f}" for g in games.values()) + " |")
@@ -226,18 +295,45 @@ def comparison_markdown(report):
             if column not in row:
                 cells.append("-")
                 continue
-            r = row[column]
-            fraction = "" if r["fraction_of_optimum"] is None else f" · {100 * r['fraction_of_optimum']:.0f}%"
-            cells.append(f"{r['score']:.3f} [{r['score_ci95'][0]:.3f}, {r['score_ci95'][1]:.3f}]{fraction}")
+            cells.append(cell_text(row[column]))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "## Games", ""]
     for column, g in games.items():
         settings = ", ".join(f"{k}={v}" for k, v in g["options"].items())
         lines.append(f"- **{column}**: `{g['env']}` ({settings}); optimum: {g['optimum_source']}.")
+    failures = [(name, column, r) for name, row in report["results"].items()
+                for column, r in row.items() if r.get("failed_requests")]
+    if failures:
+        lines += ["", "## Failed requests", "",
+                  "Each failed request counts as an invalid action, so these cells score the "
+                  "server's failures as well as the model's play.", ""]
+        for name, column, r in failures:
+            errors = ", ".join(f"{kind} {n}" for kind, n in r.get("request_errors", {}).items())
+            errors = f" ({errors})" if errors else ""
+            lines.append(f"- {name} on {column}: {requests_failed(r)}{errors}")
     if report["skipped"]:
         lines += ["", "## Skipped", ""]
         lines += [f"- {s['agent']} on {s['game']}: {s['reason']}" for s in report["skipped"]]
     return "\n".join(lines) + "\n"
+
+
+def cell_text(result):
+    """Score [95% interval] · fraction of the optimum, and a server's failed requests; a cell
+    whose requests all failed shows no score, only that it failed."""
+    failed, requests = result.get("failed_requests", 0), result.get("requests")
+    if failed and failed == requests:
+        return f"**failed**: {requests_failed(result)}"
+    low, high = result["score_ci95"]
+    fraction = result["fraction_of_optimum"]
+    text = f"{result['score']:.3f} [{low:.3f}, {high:.3f}]"
+    text += "" if fraction is None else f" · {100 * fraction:.0f}%"
+    return text + (f" ({requests_failed(result)})" if failed else "")
+
+
+def requests_failed(result):
+    """'3 of 10 requests failed' ('3 requests failed' in a table saved before they were counted)."""
+    of = "" if result.get("requests") is None else f" of {result['requests']}"
+    return f"{result['failed_requests']}{of} requests failed"
 
 
 def build_parser():
@@ -273,6 +369,8 @@ def main(argv=None):
     unknown = [g for g in args.games if g not in COMPARE_GAMES]
     if unknown:
         raise SystemExit(f"compare.py: unknown game(s) {', '.join(unknown)}; valid: {', '.join(COMPARE_GAMES)}")
+    if problem := adapter_name_problem(args):
+        raise SystemExit(f"compare.py: {problem}")
     names = [name for name, _, _ in compare_agents(args)]
     unknown = [w for w in args.agents or [] if not any(name == w or name.startswith(w + " ") for name in names)]
     if unknown:
