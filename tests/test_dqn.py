@@ -245,7 +245,8 @@ def test_files_written_together_replace_the_old_ones_only_once_all_are_whole(tmp
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        baselines.write_atomically({first: lambda file: file.write(b"new a"), second: half_then_fail})
+        baselines.write_atomically({first: lambda file: file.write(b"new a"),
+                                    second: half_then_fail})
     assert folder_bytes(tmp_path) == {"a.json": b"old a", "b.json": b"old b"}
     baselines.write_atomically({first: lambda file: file.write(b"new a")})
     assert folder_bytes(tmp_path) == {"a.json": b"new a", "b.json": b"old b"}
