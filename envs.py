@@ -211,10 +211,17 @@ def game_seed(seed):
     return int(seed)
 
 
-def positive_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"option {name} must be an int >= {minimum}, got {value!r}")
+def positive_int(name, value, minimum=1, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum \
+            or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"option {name} must be an int {allowed}, got {value!r}")
     return int(value)
+
+
+# The largest board side: the observation draws every cell, so a board of side n costs ~n^2
+# characters of prompt per step (a 3000 x 3000 Snake board: 18 million, and 14 s per reset).
+MAX_BOARD_SIZE = 32
 
 
 def finite_float(name, value):
@@ -274,7 +281,8 @@ def options_from_text(env_name, pairs):
 
 def pointless_options_warning(game):
     """A message when legal options make every episode fail, else "": a Frozen Lake goal more moves
-    away than max_steps (size=100 with the default 16 steps) cannot be reached, so nothing is learned."""
+    away than max_steps (size=20 with the default 16 steps) cannot be reached, so nothing is
+    learned."""
     if not isinstance(game, FrozenLake):
         return ""
     if game.fixed_map:
@@ -409,7 +417,8 @@ class FrozenLake(TextGame):
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.size = positive_int("size", self.options["size"], minimum=2)  # ignored for a given map
+        # ignored for a given map
+        self.size = positive_int("size", self.options["size"], minimum=2, maximum=MAX_BOARD_SIZE)
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = boolean("slippery", self.options["slippery"])
         self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])  # Gymnasium's 0 unless set
@@ -555,7 +564,8 @@ class Snake(TextGame):
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.size = positive_int("size", self.options["size"], minimum=5)  # room for two snakes
+        # at least 5: room for two snakes
+        self.size = positive_int("size", self.options["size"], minimum=5, maximum=MAX_BOARD_SIZE)
         self.apple_count = positive_int("apples", self.options["apples"], minimum=0)
         self.banana_count = positive_int("bananas", self.options.get("bananas", 0), minimum=0)
         self.step_reward = finite_float("step_reward", self.options["step_reward"])

@@ -50,7 +50,18 @@ def test_slippery_false_means_firm_ice_in_both_command_lines():
 
 
 def test_a_goal_beyond_max_steps_is_warned_about():
-    assert "198 moves" in envs.pointless_options_warning(envs.make("frozen_lake", size=100))
+    assert "38 moves" in envs.pointless_options_warning(envs.make("frozen_lake", size=20))
     assert envs.pointless_options_warning(envs.make("frozen_lake", size=4)) == ""
     assert envs.pointless_options_warning(envs.make("frozen_lake", map="classic", max_steps=5)) != ""
     assert envs.pointless_options_warning(envs.make("snake")) == ""
+
+
+@pytest.mark.parametrize("env, size, allowed", [
+    ("snake", 3000, "from 5 to 32"), ("snake", 33, "from 5 to 32"),
+    ("snake_poison_apple", 40, "from 5 to 32"), ("frozen_lake", 33, "from 2 to 32")])
+def test_a_board_too_large_to_play_is_refused_with_the_range(env, size, allowed):
+    """A board of side n is n^2 characters of prompt per step: a 3000 x 3000 Snake board took 14 s
+    per reset and an 18-million-character prompt."""
+    with pytest.raises(ValueError, match=f"option size must be an int {allowed}, got {size}"):
+        envs.make(env, size=size)
+    assert envs.make(env, size=32).size == 32
