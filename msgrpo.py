@@ -565,38 +565,42 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
     """Train cfg.iterations iterations into cfg.run_dir, or go on with it (resume; the folder is
     support.Run's). update: an iteration's credit assignment and update (msgrpo_update's signature).
     extra_modules(model) -> {name: module}: what the update trains beside the policy (a critic), set
-    as model.<name>, trained by the optimizer and kept in checkpoint.pt, out of the adapter."""
-    checkpoint = support.checkpoint_to_resume(cfg.run_dir) if resume else None
-    torch.manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    model, tokenizer = load_policy(cfg, adapter=support.older_adapter(cfg.run_dir, checkpoint))
-    print(describe_run(cfg, model))
-    extra = extra_modules(model) if extra_modules else {}
-    for name, module in extra.items():
-        setattr(model, name, module)  # a submodule now: model.parameters() includes it
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    run = support.Run(cfg, checkpoint, model, optimizer, rng, extra)  # resumed, or a new folder
-    probe_states = support.probe_states(cfg, env_options(cfg))  # none unless Frozen Lake
-    prompt_ids = functools.partial(lap_prompt_ids, tokenizer, cfg=cfg)
-    with run.interruptible():
-        run.evaluate_when_due(run.saved, lambda: evaluate_policy(model, tokenizer, cfg))
-        for iteration in run.iterations():
-            with run.stopped_on_failure(iteration):
-                start = time.time()
-                # Before the update: like the rollout metrics of its line, the probe reads the
-                # policy that plays this iteration (at iteration 1, the untrained one).
-                probe = (support.map_reading_probe(model, tokenizer, cfg, probe_states, prompt_ids)
-                         if support.probe_due(cfg, iteration) else {})
-                lr, temperature = phase_settings(cfg, iteration)
-                for group in optimizer.param_groups:  # each time: a resumed optimizer has its rate
-                    group["lr"] = lr
-                phase = dataclasses.replace(cfg, temperature=temperature)
-                metrics = train_iteration(model, optimizer, tokenizer, phase, rng, update)
-                run.save({"iteration": iteration, **metrics, **probe, "lr": lr,
-                          "temperature": temperature, "seconds": time.time() - start})
-            run.evaluate_when_due(iteration, lambda: evaluate_policy(model, tokenizer, cfg))
-        run.evaluate_final(lambda: evaluate_greedy_and_sampled(model, tokenizer, cfg))
-    return run.finish()
+    as model.<name>, trained by the optimizer and kept in checkpoint.pt, out of the adapter. The
+    folder is this process's until train returns: another run into it is refused, before its model
+    loads, with one line (support.owned_run_folder)."""
+    with support.owned_run_folder(cfg.run_dir):
+        checkpoint = support.checkpoint_to_resume(cfg.run_dir) if resume else None
+        torch.manual_seed(cfg.seed)
+        rng = np.random.default_rng(cfg.seed)
+        model, tokenizer = load_policy(cfg, adapter=support.older_adapter(cfg.run_dir, checkpoint))
+        print(describe_run(cfg, model))
+        extra = extra_modules(model) if extra_modules else {}
+        for name, module in extra.items():
+            setattr(model, name, module)  # a submodule now: model.parameters() includes it
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        run = support.Run(cfg, checkpoint, model, optimizer, rng, extra)  # resumed, or a new folder
+        probe_states = support.probe_states(cfg, env_options(cfg))  # none unless Frozen Lake
+        prompt_ids = functools.partial(lap_prompt_ids, tokenizer, cfg=cfg)
+        with run.interruptible():
+            run.evaluate_when_due(run.saved, lambda: evaluate_policy(model, tokenizer, cfg))
+            for iteration in run.iterations():
+                with run.stopped_on_failure(iteration):
+                    start = time.time()
+                    # Before the update: like the rollout metrics of its line, the probe reads the
+                    # policy that plays this iteration (at iteration 1, the untrained one).
+                    probe = (support.map_reading_probe(model, tokenizer, cfg, probe_states,
+                                                       prompt_ids)
+                             if support.probe_due(cfg, iteration) else {})
+                    lr, temperature = phase_settings(cfg, iteration)
+                    for group in optimizer.param_groups:  # each time: a resumed one has its rate
+                        group["lr"] = lr
+                    phase = dataclasses.replace(cfg, temperature=temperature)
+                    metrics = train_iteration(model, optimizer, tokenizer, phase, rng, update)
+                    run.save({"iteration": iteration, **metrics, **probe, "lr": lr,
+                              "temperature": temperature, "seconds": time.time() - start})
+                run.evaluate_when_due(iteration, lambda: evaluate_policy(model, tokenizer, cfg))
+            run.evaluate_final(lambda: evaluate_greedy_and_sampled(model, tokenizer, cfg))
+        return run.finish()
 
 # 10. Evaluation: the LAP policy as an agent for envs.evaluate, on held-out seeds -----------------
 class LAPAgent:

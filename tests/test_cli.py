@@ -2,6 +2,10 @@
 traceback. Damaged run files are named in the message."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +95,50 @@ def test_a_damaged_run_file_is_named(saved_run, name, damage):
     (saved_run / name).write_bytes(damage)
     message = stopped(["--resume", str(saved_run)])
     assert str(saved_run / name) in message
+
+
+@pytest.mark.parametrize("lines, named", [
+    ([1, 2, 1, 3, 2], "line 3: iteration 1 comes a second time"),  # two runs' lines interleaved
+    ([1, 3], "line 2: iteration 3 where 2 is due: iteration 2 is missing"),
+    ([2, 3], "line 1: iteration 2 where 1 is due"), (["one"], "line 1: iteration 'one'")])
+def test_metrics_with_a_repeated_or_missing_iteration_are_refused_by_name(saved_run, lines, named):
+    (saved_run / "metrics.jsonl").write_text("".join(f'{{"iteration": {json.dumps(i)}}}\n'
+                                                     for i in lines))
+    with pytest.raises(SystemExit, match=named):
+        support.read_metrics(saved_run)
+    assert str(saved_run / "metrics.jsonl") in stopped(["--resume", str(saved_run)])
+
+
+HOLD = """import sys, support
+with support.owned_run_folder(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_folder_another_process_trains_in_is_refused_and_a_killed_one_frees_it(saved_run):
+    """Two runs into one folder would interleave their metrics lines and overwrite each other's
+    config.json and evaluations: while one trains, the other stops with one line, before its model
+    loads, and the folder is left as the first has it."""
+    repo = Path(__file__).resolve().parent.parent
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(saved_run)], cwd=repo, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p.name: p.read_bytes() for p in saved_run.iterdir()}
+        for argv in (["--resume", str(saved_run)],
+                     ["--run-dir", str(saved_run), "--overwrite", "--model", "tiny"]):
+            message = stopped(argv)
+            assert "in use by another run" in message and f"process {holder.pid}" in message
+        assert {p.name: p.read_bytes() for p in saved_run.iterdir()} == before
+    finally:
+        holder.kill()  # as a crash or kill -9 would: the lock goes with the process
+        holder.wait()
+    assert (saved_run / support.LOCK_FILE).exists()  # left behind, and blocks nothing
+    with pytest.raises(AssertionError, match="the model was loaded"):  # past the lock
+        msgrpo.main(["--resume", str(saved_run)])
+    assert not (saved_run / support.LOCK_FILE).exists()  # let go when train ended
 
 
 def test_resume_refuses_fewer_iterations_than_trained_and_a_missing_checkpoint(saved_run):
