@@ -982,6 +982,8 @@ def make_agent(args, options, parser):
         adapter = args.adapter[-1][1] if args.adapter else None
         if adapter is not None and not Path(adapter, "adapter_config.json").exists():
             parser.error(f"no LoRA adapter at {adapter} (it has no adapter_config.json)")
+        if problem := support.model_folder_problem(args.llm_model):
+            raise SystemExit(f"{parser.prog}: error: --llm-model {problem}")
         return LLMAgent(args.llm_model, adapter=adapter)
     if args.agent == "server":
         return server_agent(args)

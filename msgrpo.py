@@ -163,7 +163,7 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     """Base model (4-bit if cfg.quantize) with a trainable LoRA adapter, new or loaded from disk.
     Its other weights (embedding, norms) stay in the compute dtype, and so do activations and the KV
     cache; peft's prepare_model_for_kbit_training would cast them to fp32, doubling both."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = compute_dtype(device)
@@ -181,7 +181,7 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     if cfg.gradient_checkpointing:  # non-reentrant: the reentrant form needs inputs that need grad
         model.activation_checkpointing_enable({"use_reentrant": False})
     if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        model = support.load_adapter(model, adapter)  # one line if it does not load
     else:
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, lora_dropout=0.0,
                           target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
@@ -228,13 +228,19 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     with support.packed_4bit_weights(model):  # the CPU's faster layout: no gradient here
         input_ids, attention_mask, cache = support.prompts_for_generate(
             model, prompts, tokenizer.pad_token_id, share_prefix)
-        out = model.generate(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), cache=cache,
-            max_new_tokens=max_new_tokens, repetition_penalty=1.0,
-            **(sampling if temperature > 0 else dict(do_sample=False)),
-            stopping_criteria=[support.stop_string_criterion(tokenizer, ACTION_END)],
-            pad_token_id=tokenizer.pad_token_id,
-            output_scores=with_logprobs, return_dict_in_generate=True)
+        try:
+            out = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                cache=cache, max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+                **(sampling if temperature > 0 else dict(do_sample=False)),
+                stopping_criteria=[support.stop_string_criterion(tokenizer, ACTION_END)],
+                pad_token_id=tokenizer.pad_token_id,
+                output_scores=with_logprobs, return_dict_in_generate=True)
+        except RuntimeError as error:  # torch.multinomial's words for a policy that has diverged
+            if "probability tensor contains" not in str(error):
+                raise
+            raise FloatingPointError(
+                "the policy's next-token probabilities are not finite") from error
     new_tokens = out.sequences[:, input_ids.shape[1]:]
     steps = list(out.scores or [])  # processed logits, already divided by T; one step at a time,
     del out  # so no step's full-vocabulary tensor outlives its chosen tokens' log-probs

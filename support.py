@@ -227,10 +227,42 @@ def model_path(name: str) -> str:
         return str(bundled_smollm2_folder())
     if name == "tiny":
         return str(tiny_model_folder())
-    return name  # a hub id or a local folder
+    return str(Path(name).expanduser()) if name.startswith("~") else name  # a hub id or a folder
+
+def looks_like_a_folder(name: str) -> bool:
+    """A local path rather than a hub id (owner/name): it starts with /, . or ~, or has folders in
+    folders."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+def model_folder_problem(name: str) -> str:
+    """Why the model `name` names cannot load, where it looks like a local folder; "" otherwise.
+    Said before loading: transformers would say it with a traceback, after importing for seconds."""
+    if not looks_like_a_folder(name):
+        return ""
+    folder = Path(model_path(name))
+    if not folder.is_dir():
+        return f"{name} is no folder"
+    if not (folder / "config.json").is_file():
+        return f"{name} holds no config.json, so no transformers model"
+    return ""
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MSGRPO_CACHE", "~/.cache/msgrpo")).expanduser()
+
+def load_adapter(model, adapter):
+    """The trained LoRA adapter folder `adapter` on `model`, trainable. One line where it does not
+    load: a damaged file, or weights shaped for another model's layers."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+    try:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    except RuntimeError as error:  # torch's load_state_dict: a line per layer that does not fit
+        mismatch = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+        first = mismatch[0] if mismatch else one_line(error)
+        raise SystemExit(f"error: the LoRA adapter {adapter} does not fit {model.name_or_path} "
+                         f"(was it trained on another model?): {first}")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise SystemExit(f"error: the LoRA adapter {adapter} is unreadable: {one_line(error)}")
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -841,16 +873,20 @@ NUMERIC_FLAGS = [
                         "(--late-lr, --late-temperature); 0: the early phase throughout "
                         "(default 25; Snake 0)",
      lambda v: v >= 0, "at least 0"),
-    ("lr", float, "AdamW learning rate of the early phase", lambda v: v > 0, "above 0"),
+    # An AdamW step moves each weight by up to lr: above 1 the weights (or the step size itself, in
+    # float32) overflow within an iteration or two.
+    ("lr", float, "AdamW learning rate of the early phase",
+     lambda v: 0 < v <= 1, "above 0 and at most 1"),
     ("late-lr", float, "AdamW learning rate after --late-after iterations",
-     lambda v: v > 0, "above 0"),
+     lambda v: 0 < v <= 1, "above 0 and at most 1"),
     ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
     ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
     ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
     ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
      lambda v: v >= 0, "at least 0"),
     ("eval-episodes", int, "held-out episodes per evaluation", lambda v: v >= 0, "at least 0"),
-    ("seed", int, "random seed", None, ""),
+    ("seed", int, "random seed", lambda v: 0 <= v < 2**64,  # what torch.manual_seed takes
+     f"from 0 to {2**64 - 1}"),
     ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: "
                         "lower it if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, "
                         "for a 12 GB card)",
@@ -937,6 +973,7 @@ def config_from_args(args: argparse.Namespace, config_class, resolve, game_optio
             base = load_config(resume_dir, config_class, resolve)
         except (TypeError, AttributeError, ValueError) as error:
             raise SystemExit(f"{resume_dir}/config.json is unreadable: {one_line(error)}")
+        refuse_another_run(given, base, resume_dir)
         given["run_dir"] = resume_dir
     else:
         base = config_class()
@@ -952,11 +989,49 @@ def config_from_args(args: argparse.Namespace, config_class, resolve, game_optio
                     ranges=ranges or SETTING_RANGES)
     return cfg, bool(resume_dir)
 
+# What makes a run the run it is: its checkpoint was trained with these, and its random streams
+# follow its seed, so --resume keeps them (with its algorithm: algorithm_of).
+RUN_IDENTITY = {"env": "env", "model": "model", "lora_r": "LoRA rank", "seed": "seed"}
+
+def algorithm_of(config: dict) -> str:
+    """msgrpo, poad or ntpo: baselines.py's configs record theirs as algo, MS-GRPO's none."""
+    return config.get("algo", "msgrpo")
+
+def refuse_another_run(given: dict, base, resume_dir) -> None:
+    """Stop with one line where the flags given with --resume would make it another run: another
+    algorithm, env, model, LoRA rank or seed. Training settings (--iterations, --lr, ...) may
+    change."""
+    saved = algorithm_of(load_json(Path(resume_dir) / "config.json"))
+    if algorithm_of(given) != saved:
+        command = "msgrpo.py" if saved == "msgrpo" else f"baselines.py {saved}"
+        raise SystemExit(f"error: {resume_dir} is a {saved} run, not {algorithm_of(given)}: "
+                         f"continue it with python {command} --resume {resume_dir}")
+    for name, what in RUN_IDENTITY.items():
+        if name in given and given[name] != getattr(base, name):
+            raise SystemExit(f"error: --{name.replace('_', '-')} {given[name]}: {resume_dir} was "
+                             f"trained with {what} {getattr(base, name)}, which --resume keeps; "
+                             f"train another {what} in a new --run-dir")
+
+def unwritable_folder(run_dir: Path) -> Path | None:
+    """The folder that would stop a run from writing run_dir, if any: run_dir, or where it does not
+    exist yet, the nearest folder above it that does, in which it would be made."""
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return None if os.access(folder, os.W_OK | os.X_OK) else folder
+
+def saved_lora_rank(checkpoint: dict) -> int | None:
+    """The rank of the checkpoint's LoRA weights (each A matrix is rank x inputs); None if it holds
+    none (a checkpoint older than that keeps them in adapter/)."""
+    ranks = {w.shape[0] for name, w in checkpoint.get("lora", {}).items() if ".lora_A." in name}
+    return ranks.pop() if len(ranks) == 1 else None
+
 def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bool = False,
                     ranges=None) -> None:
     """Stop with a one-line message, before any model loads, on settings that would fail later or
     run without learning, on game options (game_options: what envs.make gets) the game refuses,
-    on a run folder that a new run would destroy, and on damaged run files."""
+    on a model folder that is not there, on a run folder that cannot be written or that a new run
+    would destroy, and on damaged run files or a config.json that no longer fits its checkpoint."""
     def fail(message):
         raise SystemExit(f"error: {message}")
 
@@ -973,6 +1048,8 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
         fail(f"--env-opt: {error}")
     if warning := envs.pointless_options_warning(game):
         print(f"{cfg.env}: {warning}", file=sys.stderr)
+    if problem := model_folder_problem(cfg.model):
+        fail(f"--model {problem}")
     starts = envs.GAMES[cfg.env].starts
     if cfg.training_start not in starts:
         fail(f"--training-start is {cfg.training_start}; "
@@ -984,11 +1061,17 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         fail(f"--run-dir {run_dir} is a file, not a folder")
+    if (folder := unwritable_folder(run_dir)) is not None:
+        fail(f"cannot write in {folder}, where the run {run_dir} is saved")
     if resume:
         checkpoint = load_checkpoint(run_dir)
         if checkpoint is None:
             fail(f"{run_dir} has no checkpoint.pt to resume from; "
                  f"start it again with --run-dir {run_dir} --overwrite")
+        rank = saved_lora_rank(checkpoint)
+        if rank is not None and rank != cfg.lora_r:
+            fail(f"{run_dir / 'config.json'} says lora_r {cfg.lora_r}, but the LoRA weights in "
+                 f"{run_dir / 'checkpoint.pt'} have rank {rank}")
         if cfg.iterations < checkpoint["iteration"]:
             fail(f"--iterations {cfg.iterations} is fewer than the {checkpoint['iteration']} "
                  f"iterations {run_dir} has trained")

@@ -9,6 +9,7 @@ on purpose (slow, errors, malformed replies) for the failure cases.
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -68,6 +69,25 @@ def test_local_agent_plays_an_adapter_with_its_training_settings(tiny_adapter):
     assert all(torch.equal(loaded[n], saved[n]) for n in saved)
     result = envs.evaluate(agent, "frozen_lake", envs.heldout_seeds(2), max_steps=2)
     assert result["episodes"] == 2
+
+
+@pytest.mark.parametrize("damage, named", [("truncated", "is unreadable: SafetensorError"),
+                                           ("another model", "does not fit")])
+def test_an_adapter_that_does_not_load_stops_with_one_line(tiny_adapter, tmp_path, damage, named):
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(tiny_adapter[0]).parent, run)
+    weights = run / "adapter" / "adapter_model.safetensors"
+    if damage == "truncated":  # a copy cut short
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:  # LoRA matrices shaped for a model of half the width
+        save_file({name: w[:, :32].contiguous() if "lora_A" in name else w
+                   for name, w in load_file(weights).items()}, weights)
+    with pytest.raises(SystemExit) as stop:
+        baselines.main(["--agent", "llm", "--adapter", str(run / "adapter"), "--episodes", "1"])
+    message = str(stop.value.code)
+    assert named in message and str(run / "adapter") in message and "\n" not in message
 
 
 # --- chat servers: a misbehaving local HTTP server for the failure cases --------------------------

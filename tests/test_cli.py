@@ -3,6 +3,7 @@ traceback. Damaged run files are named in the message."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,12 @@ def stopped(argv):
     (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--env-opt", "size=abc"], "size"),
     (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
     (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
-    (["--env-opt", "map=SFX,FFG"], "map"), (["--env-opt", "start=corner"], "start")])
+    (["--env-opt", "map=SFX,FFG"], "map"), (["--env-opt", "start=corner"], "start"),
+    (["--seed", "-1"], "--seed"), (["--seed", "18446744073709551616"], "--seed"),
+    (["--lr", "1e39"], "--lr is 1e+39; it must be above 0 and at most 1"),
+    (["--late-lr", "2"], "--late-lr"),
+    (["--model", "/nonexistent/dir"], "/nonexistent/dir is no folder"),
+    (["--env", "snake", "--env-opt", "size=3000"], "from 5 to 32")])
 def test_bad_settings_stop_before_the_model_loads(argv, named, tmp_path):
     assert named in stopped(argv + ["--run-dir", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
@@ -109,6 +115,65 @@ def test_metrics_with_a_repeated_or_missing_iteration_are_refused_by_name(saved_
     assert str(saved_run / "metrics.jsonl") in stopped(["--resume", str(saved_run)])
 
 
+def test_a_folder_that_cannot_be_written_is_refused_before_the_model_loads(saved_run, tmp_path,
+                                                                           monkeypatch):
+    saved_run.chmod(0o555)
+    if os.geteuid() == 0:  # root writes there anyway: answer as the folder's mode says
+        monkeypatch.setattr(os, "access", lambda path, mode: bool(
+            os.stat(path).st_mode & stat.S_IWUSR) or not mode & os.W_OK)
+    try:
+        assert f"cannot write in {saved_run}" in stopped(["--resume", str(saved_run)])
+        assert f"cannot write in {saved_run}" in stopped(["--run-dir", str(saved_run / "new")])
+    finally:
+        saved_run.chmod(0o755)
+
+
+def test_a_config_json_whose_lora_r_was_edited_is_refused_before_the_model_loads(saved_run):
+    lora = {f"layers.{i}.q_proj.lora_A.default.weight": torch.zeros(8, 64) for i in range(2)}
+    torch.save({"iteration": 2, "optimizer": {}, "lora": lora}, saved_run / "checkpoint.pt")
+    config = json.loads((saved_run / "config.json").read_text())
+    (saved_run / "config.json").write_text(json.dumps({**config, "lora_r": 4}))
+    message = stopped(["--resume", str(saved_run)])
+    assert "lora_r 4" in message and "rank 8" in message
+    assert str(saved_run / "config.json") in message
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--env", "snake"], "env frozen_lake"), (["--seed", "7"], "seed 0"),
+    (["--model", "smollm2-135m"], "model tiny"), (["--lora-r", "4"], "LoRA rank 8")])
+def test_resume_refuses_what_would_make_it_another_run(saved_run, flags, named):
+    before = (saved_run / "config.json").read_text()
+    message = stopped(["--resume", str(saved_run), *flags])
+    assert flags[0] in message and named in message and "--resume keeps" in message
+    assert (saved_run / "config.json").read_text() == before
+
+
+def test_resume_takes_new_training_settings_and_the_run_s_own_values(saved_run):
+    args = msgrpo.build_parser().parse_args([
+        "--resume", str(saved_run), "--iterations", "5", "--lr", "1e-3", "--late-after", "3",
+        "--eval-episodes", "2", "--seed", "0", "--env", "frozen_lake", "--model", "tiny"])
+    cfg, resume = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults,
+                                           msgrpo.env_options)
+    assert resume and (cfg.iterations, cfg.lr, cfg.late_after, cfg.eval_episodes) == (5, 1e-3, 3, 2)
+
+
+def test_resume_refuses_another_algorithm_and_names_the_command_that_resumes(saved_run):
+    config = json.loads((saved_run / "config.json").read_text())
+    assert "msgrpo.py --resume" in stopped_baselines(["ntpo", "--resume", str(saved_run)])
+    (saved_run / "config.json").write_text(json.dumps({**config, "algo": "poad"}))
+    assert "baselines.py poad --resume" in stopped(["--resume", str(saved_run)])
+    assert "baselines.py poad --resume" in stopped_baselines(["ntpo", "--resume", str(saved_run)])
+    assert json.loads((saved_run / "config.json").read_text())["algo"] == "poad"
+
+
+def stopped_baselines(argv):
+    with pytest.raises(SystemExit) as stop:
+        baselines.main(argv)
+    message = str(stop.value.code).strip()
+    assert stop.value.code not in (0, None) and message and "\n" not in message
+    return message
+
+
 HOLD = """import sys, support
 with support.owned_run_folder(sys.argv[1]):
     print("held", flush=True)
@@ -163,6 +228,11 @@ def test_resume_adds_game_options_to_the_saved_ones(saved_run):
 def test_resume_and_overwrite_do_not_mix(saved_run):
     assert "--overwrite" in stopped(["--resume", str(saved_run), "--overwrite"])
     assert json.loads((saved_run / "config.json").read_text())["iterations"] == 2
+
+
+def test_baselines_refuses_a_model_folder_that_is_not_there(tmp_path):
+    message = stopped_baselines(["--agent", "llm", "--llm-model", str(tmp_path / "nowhere")])
+    assert f"--llm-model {tmp_path / 'nowhere'} is no folder" in message
 
 
 def test_baselines_names_a_missing_adapter_folder(tmp_path, capsys):

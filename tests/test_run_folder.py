@@ -164,6 +164,26 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
     assert support.read_metrics(run_dir) == []
 
 
+def test_a_policy_that_diverged_stops_with_the_line_that_says_lower_the_lr(tmp_path, monkeypatch):
+    """Weights that are finite but huge (a too high --lr) give the next rollouts non-finite
+    probabilities: the run stops with a line, as for a non-finite loss, and keeps what it saved."""
+    run_dir = tmp_path / "run"
+    train_iteration = msgrpo.train_iteration
+
+    def diverged(model, *args):
+        metrics = train_iteration(model, *args)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.fill_(1e20)
+        return metrics
+
+    monkeypatch.setattr(msgrpo, "train_iteration", diverged)
+    with pytest.raises(SystemExit, match="Stopped at iteration 2: .*not finite.*lower --lr"):
+        msgrpo.main(TINY + ["--iterations", "3", "--eval-episodes", "0", "--run-dir", str(run_dir)])
+    assert support.load_checkpoint(run_dir)["iteration"] == 1
+
+
 def test_a_new_run_refuses_a_folder_that_holds_a_run_and_leaves_it_untouched(straight, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(straight[0], run_dir)
