@@ -418,7 +418,8 @@ def lap_config(model="", adapter=None, **overrides):
     """The LAP settings (prompt, prefix, token budget, quantisation) to play a model with.
 
     A trained adapter is played with the settings it was trained with: msgrpo writes them to
-    config.json next to adapter/. Keys this msgrpo.Config does not know are ignored.
+    config.json next to adapter/. Keys this msgrpo.Config does not know are ignored. Without an
+    adapter, `env=` in overrides gives the game's own defaults (Snake's replies are one token).
     """
     known = {f.name for f in dataclasses.fields(msgrpo.Config)}
     saved = {}
@@ -984,7 +985,7 @@ def make_agent(args, options, parser):
             parser.error(f"no LoRA adapter at {adapter} (it has no adapter_config.json)")
         if problem := support.model_folder_problem(args.llm_model):
             raise SystemExit(f"{parser.prog}: error: --llm-model {problem}")
-        return LLMAgent(args.llm_model, adapter=adapter)
+        return LLMAgent(args.llm_model, adapter=adapter, env=args.env)
     if args.agent == "server":
         return server_agent(args)
     run_dir = Path(args.dqn_dir) if args.dqn_dir else dqn_run_dir(args.env, options, args.runs)

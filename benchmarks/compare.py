@@ -26,11 +26,18 @@ import support  # noqa: E402
 
 # Columns of the table: (game, options). Frozen Lake is scored by success rate, Snake by return.
 # Slippery: the classic map with 200 steps, where the best policy wins 0.817 (0.744 within 100).
+# Snake: the game's defaults (10x10, 100 steps), the CPU training setting (6x6, 5 steps), a longer
+# game on that board, the paper's evaluation setting (10x10, 20 steps), and Poison Apple where
+# apples cost -1 and bananas pay +1, on the training board.
 COMPARE_GAMES = {
     "frozen_lake": ("frozen_lake", {}),
     "frozen_lake_slippery": ("frozen_lake", {"map": "classic", "slippery": True, "max_steps": 200}),
     "snake": ("snake", {}),
     "snake_poison_apple": ("snake_poison_apple", {"bananas": 3}),
+    "snake_6x6_5": ("snake", {"size": 6, "max_steps": 5}),
+    "snake_6x6_30": ("snake", {"size": 6, "max_steps": 30}),
+    "snake_10x10_20": ("snake", {"size": 10, "max_steps": 20}),
+    "poison_apple_6x6_5": ("snake_poison_apple", {"size": 6, "max_steps": 5, "bananas": 2}),
 }
 DEFAULT_ADAPTER = ("smollm2+msgrpo", "results/frozen_lake_cpu/adapter")
 
@@ -78,10 +85,17 @@ def local_agents(args):
         return baselines.DQNAgent.load(run) if run else None
 
     agents.append(("dqn", dqn, ""))
+    for rule in baselines.SNAKE_RULES:  # Snake's hand rules: what reading the board is worth
+        agents.append((rule, lambda env, opts, r=rule: snake_rule(r, env, args.seed), ""))
     base_model = baselines.lap_config(args.llm_model).model
-    agents.append((f"{base_model} zero-shot", cached(lambda: baselines.LLMAgent(args.llm_model)),
-                   llm_unavailable(base_model)))
+    agents.append((f"{base_model} zero-shot", cached_per_game(
+        lambda env: baselines.LLMAgent(args.llm_model, env=env)), llm_unavailable(base_model)))
     return agents
+
+
+def snake_rule(rule, env_name, seed):
+    """A Snake rule agent, or None on Frozen Lake: the rules read Snake's board."""
+    return None if env_name == "frozen_lake" else baselines.SnakeRuleAgent(rule, seed)
 
 
 def server_name(args):
@@ -115,6 +129,20 @@ def adapter_name_problem(args):
             return (f"--adapter {name}=...: {name!r} is taken by the {clashes[0]!r} row; "
                     f"give the adapter another name")
     return ""
+
+
+def cached_per_game(load):
+    """A factory that loads its model once per game, with that game's reply settings (Snake's
+    replies are one token, Frozen Lake's six), and plays every column of that game with it."""
+    loaded = {}
+
+    def factory(env_name, options):
+        if env_name not in loaded:
+            loaded.clear()  # one model in memory at a time
+            loaded[env_name] = load(env_name)
+        return loaded[env_name]
+
+    return factory
 
 
 def cached(load):
@@ -164,8 +192,9 @@ def run_comparison(args):
                 print(f"skipped {name}: failed to load: {error!r}")
                 break
             if agent is None:
-                why = (f"no trained weights under {args.runs}/; train them with: python baselines.py "
-                       f"--env {env_name} --agent dqn --train-steps N" + option_flags(options))
+                why = "it plays Snake only" if name in baselines.SNAKE_RULES else (
+                    f"no trained weights under {args.runs}/; train them with: python baselines.py "
+                    f"--env {env_name} --agent dqn --train-steps N" + option_flags(options))
                 note_skip(report, name, column, why)
                 print(f"skipped {name} on {column}: {why}")
                 continue
@@ -340,7 +369,8 @@ def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per cell")
     parser.add_argument("--agents", type=lambda s: s.split(","),
-                        help="comma list of rows to include: random,optimal,dqn,smollm2-135m,NAME,server")
+                        help="comma list of rows to include: random,optimal,dqn,never_die,"
+                             "straight_unless_deadly,apple_greedy,circling,smollm2-135m,NAME,server")
     parser.add_argument("--games", type=lambda s: s.split(","), default=list(COMPARE_GAMES),
                         help=f"comma list of columns (default {','.join(COMPARE_GAMES)})")
     parser.add_argument("--out", default="results", help="folder for comparison.md and comparison.json")

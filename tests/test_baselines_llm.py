@@ -255,10 +255,12 @@ def test_compare_writes_both_files_and_reports_what_it_skipped(tmp_path, tiny_ad
     report = compare.main(["--episodes", "3", "--games", "frozen_lake,snake", "--runs", str(runs),
                              "--out", str(out), "--llm-model", "tiny", "--adapter", f"trained={adapter}",
                              "--adapter", "ghost=/nowhere/adapter"])
-    assert set(report["results"]) == {"random", "optimal", "dqn", "tiny zero-shot", "trained"}
+    rules = set(baselines.SNAKE_RULES)
+    assert set(report["results"]) == {"random", "optimal", "dqn", "tiny zero-shot", "trained", *rules}
     assert set(report["results"]["dqn"]) == {"frozen_lake"}  # no snake DQN was trained
+    assert all(set(report["results"][rule]) == {"snake"} for rule in rules)  # they read Snake's board
     skipped = {(s["agent"], s["game"]) for s in report["skipped"]}
-    assert skipped == {("dqn", "snake"), ("ghost", "all")}
+    assert skipped == {("dqn", "snake"), ("ghost", "all"), *((rule, "frozen_lake") for rule in rules)}
     assert report["results"]["optimal"]["frozen_lake"]["fraction_of_optimum"] == 1.0
     assert report["games"]["frozen_lake"]["optimum"] == 1.0
     assert json.loads((out / "comparison.json").read_text()) == report
