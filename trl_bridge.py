@@ -244,9 +244,9 @@ def make_trainer(cfg: msgrpo.Config, args, train_dataset):
     """GRPOTrainer on msgrpo's policy (4-bit base + LoRA), with the games as its rollouts."""
     from trl import GRPOTrainer
     if args.mask_truncated_completions:
-        raise ValueError("mask_truncated_completions would drop every episode: TRL counts a "
+        raise ValueError("mask_truncated_completions would drop most episodes: TRL counts a "
                          "completion as truncated unless it ends in an end token, and an "
-                         "episode ends with its last reply, cut at </action>")
+                         "episode ends with its last reply, most often stopped at </action>")
     # The distributed state first: it sets this process's GPU, the "cuda" load_policy loads onto.
     _ = args.device
     model, tokenizer = msgrpo.load_policy(cfg)
