@@ -50,7 +50,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), computing in compute_dtype
     lora_r: int = 8  # LoRA rank
-    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU; --resume RUN --iterations N goes on
+    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 60); --resume RUN --iterations N
     groups: int = 8  # B: start states per iteration
     group_size: int = 8  # G: episodes per start state
     late_after: int = -1  # early-phase iterations (phase_settings); 0 = one phase; -1 = the game's
@@ -71,7 +71,7 @@ class Config:
     minibatch: int = 0  # steps per optimizer step; 0 = all (one step: the ratio is exactly 1)
     micro_batch: int = 0  # steps per forward/backward, the update's memory; 0 = 16, 4 thinking
     grad_clip: float = 1.0  # max gradient norm
-    beta: float = 0.0  # KL weight to the adapter-disabled reference
+    beta: float = -1.0  # KL weight to the reference (adapter off); -1 = the game's: 0, Snake 0.1
     eps_clip: float = 0.2  # ratio clip
     gradient_checkpointing: bool = False  # on by default on CUDA (support.config_from_args)
     eval_every: int = 0  # 0 = evaluate only before and after training
@@ -86,11 +86,11 @@ class Config:
 # model ends in a wall, so each return holds the -1 and surviving is never rewarded; within 5 steps
 # some episodes live.
 SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_steps": 5}}
-# Snake's replies are one token, the move: its observation ends in a line of move-and-cell pairs
-# ("left empty, down wall") that a small model continues past the move, naming two moves
-# (SmolLM2-135M: 66% of 6-token replies unparseable, 30% of 1-token ones). One phase: hotter
-# rollouts before the format is learned made most replies unparseable again.
-SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, LATE_AFTER = 1, 0, 25
+# Snake's replies are one token: its observation ends in move-and-cell pairs ("left empty, down
+# wall") that a small model continues past the move (SmolLM2-135M: 66% of 6-token replies name no
+# single move, 30% of 1-token ones). One phase: hotter rollouts before the format is learned undid
+# it. KL to the base: without it the policy said "up" everywhere within 25 iterations.
+SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 60
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
@@ -99,15 +99,16 @@ def resolve_defaults(cfg: Config) -> Config:
     cuda = torch.cuda.is_available()
     game = envs.GAMES[cfg.env]
     snake = issubclass(game, envs.Snake)
-    options = ({**SNAKE_OPTIONS["cuda" if cuda else "cpu"], **cfg.env_options} if snake
-               else cfg.env_options)
+    options = {**(SNAKE_OPTIONS["cuda" if cuda else "cpu"] if snake else {}), **cfg.env_options}
     reply_tokens = 256 if cfg.think else SNAKE_REPLY_TOKENS if snake else 6
-    late_after = SNAKE_LATE_AFTER if snake else LATE_AFTER
+    late_after, beta = (SNAKE_LATE_AFTER, SNAKE_BETA) if snake else (25, 0.0)
+    iterations = 100 if cuda else SNAKE_CPU_ITERATIONS if snake else 130
     return dataclasses.replace(
         cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL), env_options=options,
         training_start=cfg.training_start or game.training_start,
-        iterations=cfg.iterations or (100 if cuda else 130),
+        iterations=cfg.iterations or iterations,
         late_after=late_after if cfg.late_after < 0 else cfg.late_after,
+        beta=beta if cfg.beta < 0 else cfg.beta,
         max_new_tokens=cfg.max_new_tokens or reply_tokens,
         micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
         eval_batch=cfg.eval_batch or (32 if cuda else 64),
@@ -228,19 +229,13 @@ def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens:
     with support.packed_4bit_weights(model):  # the CPU's faster layout: no gradient here
         input_ids, attention_mask, cache = support.prompts_for_generate(
             model, prompts, tokenizer.pad_token_id, share_prefix)
-        try:
-            out = model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                cache=cache, max_new_tokens=max_new_tokens, repetition_penalty=1.0,
-                **(sampling if temperature > 0 else dict(do_sample=False)),
-                stopping_criteria=[support.stop_string_criterion(tokenizer, ACTION_END)],
-                pad_token_id=tokenizer.pad_token_id,
-                output_scores=with_logprobs, return_dict_in_generate=True)
-        except RuntimeError as error:  # torch.multinomial's words for a policy that has diverged
-            if "probability tensor contains" not in str(error):
-                raise
-            raise FloatingPointError(
-                "the policy's next-token probabilities are not finite") from error
+        out = support.generate(  # model.generate; a diverged policy stops the run in one line
+            model, input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            cache=cache, max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+            **(sampling if temperature > 0 else dict(do_sample=False)),
+            stopping_criteria=[support.stop_string_criterion(tokenizer, ACTION_END)],
+            pad_token_id=tokenizer.pad_token_id,
+            output_scores=with_logprobs, return_dict_in_generate=True)
     new_tokens = out.sequences[:, input_ids.shape[1]:]
     steps = list(out.scores or [])  # processed logits, already divided by T; one step at a time,
     del out  # so no step's full-vocabulary tensor outlives its chosen tokens' log-probs
@@ -554,26 +549,22 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
             "zero_variance_groups": zero_variance_groups(returns, [ep.group for ep in episodes]),
             **counts, "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse: drops
             "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per token, Monte-Carlo
-            # the update's own stats (POAD's value_loss) between the losses and grad_norm
-            **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),
+            **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),  # POAD's between
             "rollout_seconds": rollout_seconds, "update_seconds": update_seconds,
             "train_tokens_per_second": tokens_per_second}
 
 def phase_settings(cfg: Config, iteration: int) -> tuple[float, float]:
-    """(learning rate, rollout temperature): (lr, temperature) for the first cfg.late_after
-    iterations (all if 0), while the model learns the reply format, then (late_lr,
-    late_temperature). By then the policy is sure of its first move: at T = 1 all G episodes of a
-    group make it, their returns are equal and the group teaches nothing, so rollouts run hotter."""
+    """(lr, temperature) for the first cfg.late_after iterations (all if 0), while the reply format
+    is learned, then (late_lr, late_temperature): a policy sure of its first move makes it in all
+    G episodes of a group at T = 1, equal returns teach nothing, so rollouts run hotter."""
     late = cfg.late_after and iteration > cfg.late_after
     return (cfg.late_lr, cfg.late_temperature) if late else (cfg.lr, cfg.temperature)
 
 def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules=None) -> Path:
-    """Train cfg.iterations iterations into cfg.run_dir, or go on with it (resume; the folder is
-    support.Run's). update: an iteration's credit assignment and update (msgrpo_update's signature).
+    """Train cfg.iterations iterations into cfg.run_dir (owned by this process until it returns),
+    or go on with it (resume). update: an iteration's credit assignment (msgrpo_update's signature).
     extra_modules(model) -> {name: module}: what the update trains beside the policy (a critic), set
-    as model.<name>, trained by the optimizer and kept in checkpoint.pt, out of the adapter. The
-    folder is this process's until train returns: another run into it is refused, before its model
-    loads, with one line (support.owned_run_folder)."""
+    as model.<name>, trained by the optimizer and kept in checkpoint.pt, out of the adapter."""
     with support.owned_run_folder(cfg.run_dir):
         checkpoint = support.checkpoint_to_resume(cfg.run_dir) if resume else None
         torch.manual_seed(cfg.seed)

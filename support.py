@@ -129,6 +129,16 @@ def prompts_for_generate(model, prompts: list[list[int]], pad_id: int, share_pre
     cache = prompt_cache(model, input_ids, attention_mask, shared, rows) if share_prefix else None
     return input_ids[rows], attention_mask[rows], cache  # one row per prompt given
 
+def generate(model, **kwargs):
+    """model.generate(**kwargs); a policy that has diverged (non-finite probabilities, in
+    torch.multinomial's words) raises FloatingPointError, which stops the run in one line."""
+    try:
+        return model.generate(**kwargs)
+    except RuntimeError as error:
+        if "probability tensor contains" not in str(error):
+            raise
+        raise FloatingPointError("the policy's next-token probabilities are not finite") from error
+
 @functools.cache
 def stop_string_criterion(tokenizer, text: str):
     """Stop a reply once it has written `text`. transformers builds this criterion by scanning the
@@ -848,7 +858,7 @@ def plot_curves(run_dir: Path) -> None:
 # validate_config stops first.
 NUMERIC_FLAGS = [
     ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU)",
+    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 60)",
      lambda v: v >= 1, "at least 1 (0: the device's default)"),
     ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
     ("group-size", int, "G: episodes per start state",
@@ -880,7 +890,8 @@ NUMERIC_FLAGS = [
     ("late-lr", float, "AdamW learning rate after --late-after iterations",
      lambda v: 0 < v <= 1, "above 0 and at most 1"),
     ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
-    ("beta", float, "KL weight to the adapter-disabled reference", lambda v: v >= 0, "at least 0"),
+    ("beta", float, "KL weight to the adapter-disabled reference (default 0; Snake 0.1)",
+     lambda v: v >= 0, "at least 0"),
     ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
     ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
      lambda v: v >= 0, "at least 0"),
@@ -921,9 +932,9 @@ def build_parser(defaults, description: str, default_model: str) -> argparse.Arg
                                    f"(default: {default_model})")
     p.add_argument("--no-quantize", dest="quantize", action="store_false",
                    help="keep the base in bf16/fp32")
-    for flag, kind, text, _, _ in NUMERIC_FLAGS:
-        p.add_argument(f"--{flag}", type=kind,
-                       help=f"{text} (default {getattr(d, flag.replace('-', '_'))})")
+    for flag, kind, text, _, _ in NUMERIC_FLAGS:  # a default that depends on the game is in text
+        default = "" if "(default" in text else f" (default {getattr(d, flag.replace('-', '_'))})"
+        p.add_argument(f"--{flag}", type=kind, help=text + default)
     p.add_argument("--sampling", choices=["aaw", "uniform", "all"],
                    help="episode sampling (default aaw)")
     p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,

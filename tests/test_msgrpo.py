@@ -215,8 +215,10 @@ def test_snake_replies_are_one_token_in_one_phase_unless_asked_otherwise():
     snake = msgrpo.resolve_defaults(msgrpo.Config(env="snake", model="tiny", run_dir="x"))
     lake = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="x"))
     assert (snake.max_new_tokens, snake.late_after, lake.late_after) == (1, 0, 25)
-    asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10, run_dir="x"))
-    assert (asked.max_new_tokens, asked.late_after) == (6, 10)
+    assert (snake.beta, lake.beta) == (0.1, 0.0)  # a KL penalty keeps Snake's one token open
+    asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10, beta=0.0,
+                                                  run_dir="x"))
+    assert (asked.max_new_tokens, asked.late_after, asked.beta) == (6, 10, 0.0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
