@@ -50,7 +50,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), computing in compute_dtype
     lora_r: int = 8  # LoRA rank
-    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 60); --resume RUN --iterations N
+    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 44); --resume RUN --iterations N
     groups: int = 8  # B: start states per iteration
     group_size: int = 8  # G: episodes per start state
     late_after: int = -1  # early-phase iterations (phase_settings); 0 = one phase; -1 = the game's
@@ -90,7 +90,7 @@ SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_
 # wall") that a small model continues past the move (SmolLM2-135M: 66% of 6-token replies name no
 # single move, 30% of 1-token ones). One phase: hotter rollouts before the format is learned undid
 # it. KL to the base: without it the policy said "up" everywhere within 25 iterations.
-SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 60
+SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 44
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
