@@ -13,10 +13,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -136,13 +135,8 @@ class Misbehaving(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def bad_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Misbehaving)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+def bad_server(serve):
+    return serve(Misbehaving)
 
 
 def server_agent(url, mode, **options):

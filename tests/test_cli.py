@@ -24,10 +24,10 @@ def no_model(monkeypatch):
     monkeypatch.setattr(msgrpo, "load_policy", load_policy)
 
 
-def stopped(argv):
+def stopped(argv, main=msgrpo.main):
     """The message a command line stops with (SystemExit, non-zero, one line)."""
     with pytest.raises(SystemExit) as stop:
-        msgrpo.main(argv)
+        main(argv)
     message = str(stop.value.code).strip()
     assert stop.value.code not in (0, None) and message and "\n" not in message
     return message
@@ -159,19 +159,12 @@ def test_resume_takes_new_training_settings_and_the_run_s_own_values(saved_run):
 
 def test_resume_refuses_another_algorithm_and_names_the_command_that_resumes(saved_run):
     config = json.loads((saved_run / "config.json").read_text())
-    assert "msgrpo.py --resume" in stopped_baselines(["ntpo", "--resume", str(saved_run)])
+    assert "msgrpo.py --resume" in stopped(["ntpo", "--resume", str(saved_run)], baselines.main)
     (saved_run / "config.json").write_text(json.dumps({**config, "algo": "poad"}))
     assert "baselines.py poad --resume" in stopped(["--resume", str(saved_run)])
-    assert "baselines.py poad --resume" in stopped_baselines(["ntpo", "--resume", str(saved_run)])
+    ntpo_resume = ["ntpo", "--resume", str(saved_run)]
+    assert "baselines.py poad --resume" in stopped(ntpo_resume, baselines.main)
     assert json.loads((saved_run / "config.json").read_text())["algo"] == "poad"
-
-
-def stopped_baselines(argv):
-    with pytest.raises(SystemExit) as stop:
-        baselines.main(argv)
-    message = str(stop.value.code).strip()
-    assert stop.value.code not in (0, None) and message and "\n" not in message
-    return message
 
 
 HOLD = """import sys, support
@@ -231,7 +224,7 @@ def test_resume_and_overwrite_do_not_mix(saved_run):
 
 
 def test_baselines_refuses_a_model_folder_that_is_not_there(tmp_path):
-    message = stopped_baselines(["--agent", "llm", "--llm-model", str(tmp_path / "nowhere")])
+    message = stopped(["--agent", "llm", "--llm-model", str(tmp_path / "nowhere")], baselines.main)
     assert f"--llm-model {tmp_path / 'nowhere'} is no folder" in message
 
 
