@@ -1,8 +1,9 @@
-# Two commands: `make test` and `make demo`. Both set up .venv first if it is missing.
+# `make test`, `make quick` (a first run, minutes) and `make demo` (the full run). Each sets up
+# .venv first if it is missing.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-slow demo
+.PHONY: test test-slow quick demo
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +17,11 @@ test: $(VENV)/.installed
 
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow
+
+# 12 iterations of 4 groups, 100 held-out maps before and after: runs/quick, replaced each time.
+quick: $(VENV)/.installed
+	$(PY) msgrpo.py --env frozen_lake --iterations 12 --groups 4 --eval-episodes 100 \
+		--run-dir runs/quick --overwrite
 
 demo: $(VENV)/.installed
 	$(PY) msgrpo.py --env frozen_lake

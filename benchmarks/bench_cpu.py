@@ -1,29 +1,32 @@
-"""What doing shared work once saves, measured side by side in one run on the same rollouts.
+"""A rollout step and a trained step, before and after the latest speed-ups, side by side.
 
-    python benchmarks/bench_cpu.py                      # SmolLM2-135M, 2 groups x 8 episodes
+    python benchmarks/bench_cpu.py --out results/bench_cpu.md   # SmolLM2-135M, the trained adapter
     python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4
 
-Every Frozen Lake prompt starts with the same system prompt, rules and action list, and the G
-episodes of a group start from the same observation. Two ways to run the same work:
-    plain    every row read whole; the stop-at-</action> criterion built on every generate call
-    once     the shared prefix run once and its keys and values reused by every row (prefix
-             caching); in generate, each distinct prompt read once and its cache copied to the rows
-             that hold it; identical steps of a minibatch read once; the criterion built once; in
-             training, each 4-bit base weight dequantized once and kept, not in every forward and
-             every backward
-(a) a rollout step: real MS-GRPO rollouts (B groups x G episodes in lockstep), seconds per env step;
+The steps are real MS-GRPO rollouts (B groups x G episodes in lockstep) of a trained policy
+(--adapter; the committed Frozen Lake adapter by default), whose groups repeat themselves as a
+trained policy's do. Two ways to run them:
+    before   the shared prefix of every prompt read once (prefix caching), identical prompts and
+             steps read once, each 4-bit base weight dequantized once for training; each row's
+             own tokens read whole
+    after    the same, and in training the prefix tree (support.read_heads_once: a prompt that
+             several steps share is read once, their replies after it) and the base weights'
+             matmuls through oneDNN where that kernel is faster (support.onednn_is_faster). The
+             same numbers, within float rounding (tests/test_msgrpo.py checks 1e-4)
+(a) a rollout step: seconds per env step of the rollouts;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
-    minibatches and micro-batches, seconds per step.
+    micro-batches, seconds per step; and the peak resident memory while it runs (sampled from
+    /proc every 5 ms; the process's model copies included).
 Each is timed --repeats times (the median is reported). Prints a Markdown table with the
-speed-ups; --out writes it to a file too.
+speed-up of "after"; --out writes it to a file too.
 """
 
 import argparse
 import contextlib
 import functools
-import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -35,15 +38,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgrpo  # noqa: E402
 import support  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_ADAPTER = ROOT / "results" / "frozen_lake_cpu" / "adapter"
 
-def peak_memory_mb() -> float:
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+
+def resident_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+@contextlib.contextmanager
+def peak_resident_mb(peak: list):
+    """Append the peak resident memory (MB) while the block runs, sampled every 5 ms."""
+    done, samples = threading.Event(), [resident_mb()]
+
+    def sample():
+        while not done.wait(0.005):
+            samples.append(resident_mb())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        peak.append(max(samples + [resident_mb()]))
 
 
 def median_seconds_per_item(function, repeats: int) -> float:
-    """function() -> how many items (env steps, trained steps) it did; the median seconds per item."""
+    """function() -> how many items (env steps, trained steps) it did; median seconds per item."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -52,86 +76,109 @@ def median_seconds_per_item(function, repeats: int) -> float:
     return statistics.median(times)
 
 
-def rollouts(model, tokenizer, cfg, seeds, once: bool):
-    """play_groups, with every prompt read whole and the stop criterion rebuilt per call unless once."""
+@contextlib.contextmanager
+def levers(on: bool):
+    """The prefix tree and the oneDNN kernel on (as the trainer runs) or off (the code before)."""
+    if on:
+        yield
+        return
+    with mock.patch.object(support, "READ_HEADS_ONCE", False), \
+            mock.patch.object(support, "onednn_is_faster", lambda shape: False):
+        yield
+
+
+def env_steps_played(model, tokenizer, cfg, seeds) -> int:
     torch.manual_seed(0)
-    if once:
-        return msgrpo.play_groups(model, tokenizer, cfg, seeds)
-    original = msgrpo.sample_responses
-
-    def plain(*args, **kwargs):
-        support.stop_string_criterion.cache_clear()  # as transformers does when given stop_strings
-        return original(*args, **kwargs, share_prefix=False)
-
-    with mock.patch.object(msgrpo, "sample_responses", plain):
-        return msgrpo.play_groups(model, tokenizer, cfg, seeds)
+    return sum(len(ep.rewards) for ep in msgrpo.play_groups(model, tokenizer, cfg, seeds))
 
 
-def trained_steps(model, tokenizer, cfg, steps, once: bool):
-    """Forward + backward over every step, in the update's micro-batches (no optimizer step); returns
-    the number of steps."""
-    with support.dequantized_4bit_weights(model) if once else contextlib.nullcontext():
+def trained_steps(model, tokenizer, cfg, steps) -> int:
+    """Forward + backward over every step, in the update's micro-batches (no optimizer step);
+    returns the number of steps."""
+    model.train()
+    with support.dequantized_4bit_weights(model):
         for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
             model.zero_grad(set_to_none=True)
             for micro in minibatch:
-                batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=once)
+                batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=True)
                 logp, mask = msgrpo.response_logprobs(model, batch, cfg.temperature)
                 msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
     return len(steps)
 
 
+def load(cfg, adapter):
+    torch.manual_seed(0)
+    return msgrpo.load_policy(cfg, adapter=adapter)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--adapter", type=Path,
+                        help="the policy that plays (default: the committed "
+                        "Frozen Lake adapter with smollm2-135m, a new one otherwise)")
+    parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=8, help="the game's step limit for these rollouts")
-    parser.add_argument("--repeats", type=int, default=2, help="timings per measure (the median is reported)")
+    parser.add_argument("--temperature", type=float, default=1.5,
+                        help="rollout temperature: the late phase's, where most iterations run; at "
+                             "T = 1 a trained policy plays a group's episodes alike")
+    parser.add_argument("--max-steps", type=int, default=8,
+                        help="the game's step limit for these rollouts")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timings per measure (the median is reported)")
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args(argv)
+    adapter = args.adapter or (DEFAULT_ADAPTER if args.model == "smollm2-135m" else None)
 
     cfg = msgrpo.resolve_defaults(msgrpo.Config(
         model=args.model, groups=args.groups, group_size=args.group_size,
-        env_options={"max_steps": args.max_steps}, run_dir="unused"))
-    torch.manual_seed(0)
-    model, tokenizer = msgrpo.load_policy(cfg)
+        temperature=args.temperature, env_options={"max_steps": args.max_steps}, run_dir="unused"))
     seeds = list(range(101, 101 + args.groups))
-    episodes = rollouts(model, tokenizer, cfg, seeds, once=True)  # warm-up, and the steps to train on
+    model, tokenizer = load(cfg, adapter)
+    torch.manual_seed(0)
+    episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)  # warm-up, and the steps to train
     env_steps = sum(len(ep.rewards) for ep in episodes)
-
-    # (a) rollout steps, plain vs once
-    def env_steps_played(once):
-        return sum(len(ep.rewards) for ep in rollouts(model, tokenizer, cfg, seeds, once))
-
-    rollout = {once: median_seconds_per_item(functools.partial(env_steps_played, once), args.repeats)
-               for once in (False, True)}
-
-    # (b) trained steps over every step of the rollouts, advantages +-1 by episode
     advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
     steps = msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
-    model.train()
-    trained = {once: median_seconds_per_item(functools.partial(trained_steps, model, tokenizer, cfg, steps, once),
-                                             args.repeats) for once in (False, True)}
-    distinct = len({(tuple(p), tuple(r)) for p, r, _ in steps})
-    prompts = [p for p, _, _ in steps]
 
-    rows = [
-        ("model, threads", f"{args.model}, {torch.get_num_threads()}"),
-        ("rollouts", f"{args.groups} groups x {args.group_size} episodes, step limit {args.max_steps}: "
-                     f"{env_steps} env steps ({distinct} distinct), prompt {np.mean([len(p) for p in prompts]):.0f} "
-                     f"tokens, {support.shared_prefix_length(prompts)} shared by all"),
-        ("(a) rollout step, plain (s per env step)", f"{rollout[False]:.3f}"),
-        ("(a) rollout step, once (s per env step)", f"{rollout[True]:.3f}"),
-        ("(a) speed-up", f"**{rollout[False] / rollout[True]:.1f}x**"),
-        ("(b) trained step, plain (s per step)", f"{trained[False]:.3f}"),
-        ("(b) trained step, once (s per step)", f"{trained[True]:.3f}"),
-        ("(b) speed-up", f"**{trained[False] / trained[True]:.1f}x**"),
-        ("peak memory (MB)", f"{peak_memory_mb():.0f}"),
-    ]
-    table = "| measure | value |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    def measure(model, tokenizer, cfg, on):
+        peak = []
+        with levers(on):
+            rollout = median_seconds_per_item(
+                functools.partial(env_steps_played, model, tokenizer, cfg, seeds), args.repeats)
+            with peak_resident_mb(peak):
+                trained = median_seconds_per_item(
+                    functools.partial(trained_steps, model, tokenizer, cfg, steps), args.repeats)
+        return {"rollout": rollout, "trained": trained, "peak_mb": peak[0]}
+
+    results = {"before": measure(model, tokenizer, cfg, on=False),
+               "after": measure(model, tokenizer, cfg, on=True)}
+
+    prompts = [p for p, _, _ in steps]
+    before = results["before"]
+
+    def cells(measure, digits=3, speed_up=True):
+        return " | ".join(f"{values[measure]:.{digits}f}"
+                          + (f" (**{before[measure] / values[measure]:.2f}x**)"
+                             if speed_up and name != "before" else "")
+                          for name, values in results.items())
+
+    policy = adapter.resolve().relative_to(ROOT) if adapter else "a new adapter"
+    distinct, tokens = len(set(map(tuple, prompts))), np.mean([len(p) for p in prompts])
+    lines = [f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
+             f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, step limit "
+             f"{args.max_steps}: "
+             f"{env_steps} env steps, {distinct} distinct prompts of {tokens:.0f} tokens, "
+             f"{support.shared_prefix_length(prompts)} shared by all.", "",
+             "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),
+             f"| (a) rollout step (s per env step) | {cells('rollout')} |",
+             f"| (b) trained step (s per step) | {cells('trained')} |",
+             f"| (b) peak memory while training (MB) | {cells('peak_mb', 0, speed_up=False)} |"]
+    table = "\n".join(lines)
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
+    return results
 
 
 if __name__ == "__main__":

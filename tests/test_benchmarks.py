@@ -176,6 +176,40 @@ def test_every_yardstick_wording_says_what_each_move_walks_onto():
         "Steps left: 12.\nleft: ice\ndown: hole\nright: ice\nup: edge")
 
 
+def test_snake_yardstick_labels_are_safe_balanced_and_straight_unless_deadly():
+    import baselines
+    import yardstick_snake
+
+    train = yardstick_snake.states(40, yardstick_snake.TRAIN_SEED, 0, balanced=True)
+    assert sum(s.straight_deadly for s in train) == 20
+    assert {s.straight_deadly for s in train[:20]} == {True, False}  # shuffled
+    for s in train:
+        label = envs.SNAKE_ACTIONS.index(s.label)
+        heading = envs.SNAKE_ACTIONS.index(s.observation.split("You are moving ")[1].split(";")[0])
+        assert label in s.safe and (label == heading) != s.straight_deadly
+        named = s.observation.split("Next to your head: ")[1].rstrip(".").split(", ")
+        deadly = {envs.SNAKE_ACTIONS.index(pair.split(" ")[0]) for pair in named
+                  if pair.split(" ", 1)[1] in ("wall", "your body", "your neck (not allowed)")}
+        assert deadly == set(range(4)) - s.safe  # the line names exactly the moves the label avoids
+    # a hand-made state: heading up on the top row, so straight on is the wall
+    game = envs.make("snake", size=6, apples=0, max_steps=5)
+    _, info = game.reset(seed=0)
+    info = {**info, "snake": [(0, 2), (1, 2), (2, 2)], "direction": "up"}
+    assert set(baselines.snake_safe_moves(info)) == {1, 3}
+
+
+def test_snake_yardstick_trains_and_writes_its_table(tmp_path):
+    import yardstick_snake
+
+    rows = yardstick_snake.main(["--model", "tiny", "--states", "32", "--eval-states", "16",
+                                 "--eval-every", "16", "--out", tmp_path])
+    assert [r["states_seen"] for r in rows] == [0, 16, 32]
+    assert all(0 <= r[key] <= 1 for r in rows for key in ("safe", "safe_straight_deadly",
+                                                          "safe_straight_open", "unsafe_probability"))
+    text = (tmp_path / "yardstick.md").read_text()
+    assert "| 32 |" in text and "python benchmarks/yardstick_snake.py --model tiny" in text
+
+
 def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp_path):
     yardstick.main(["--model", "tiny", "--states", "32", "--eval-states", "16", "--eval-every", "16",
                     "--wordings", "neighbour line first", "one line per move", "--out", tmp_path])
@@ -199,16 +233,18 @@ def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp
     assert "| neighbour line first | 0 | 0.500 |" in text and text.count("    python benchmarks/yardstick.py") == 2
 
 
-def test_bench_cpu_times_plain_and_once_side_by_side(tmp_path):
+def test_bench_cpu_times_before_and_after_side_by_side(tmp_path):
     import bench_cpu
 
     out = tmp_path / "bench.md"
-    bench_cpu.main(["--model", "tiny", "--groups", "1", "--group-size", "4", "--max-steps", "2", "--repeats", "1",
-                    "--out", str(out)])
+    results = bench_cpu.main(["--model", "tiny", "--groups", "1", "--group-size", "4", "--max-steps", "2",
+                              "--repeats", "1", "--out", str(out)])
     table = out.read_text()
-    for measure in ["(a) rollout step, plain", "(a) rollout step, once", "(b) trained step, plain",
-                    "(b) trained step, once", "(a) speed-up", "(b) speed-up"]:
+    assert "| measure | before | after |" in table
+    for measure in ["(a) rollout step", "(b) trained step", "(b) peak memory while training"]:
         assert f"| {measure}" in table, measure
+    assert table.count("x**)") == 2  # after against before, rollout and trained steps
+    assert all(r["rollout"] > 0 and r["trained"] > 0 and r["peak_mb"] > 100 for r in results.values())
     assert int(table.split(" tokens, ")[1].split(" shared")[0]) > 50  # the system prompt, rules and action list
 
 

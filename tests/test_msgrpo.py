@@ -216,9 +216,10 @@ def test_snake_replies_are_one_token_in_one_phase_unless_asked_otherwise():
     lake = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="x"))
     assert (snake.max_new_tokens, snake.late_after, lake.late_after) == (1, 0, 25)
     assert (snake.beta, lake.beta) == (0.1, 0.0)  # a KL penalty keeps Snake's one token open
+    assert (snake.minibatch, lake.minibatch) == (16, 0)  # several AdamW steps an iteration on Snake
     asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10, beta=0.0,
-                                                  run_dir="x"))
-    assert (asked.max_new_tokens, asked.late_after, asked.beta) == (6, 10, 0.0)
+                                                  minibatch=0, run_dir="x"))
+    assert (asked.max_new_tokens, asked.late_after, asked.beta, asked.minibatch) == (6, 10, 0.0, 0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -295,6 +296,40 @@ def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
         torch.testing.assert_close(cached_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_reading_each_distinct_head_once_gives_the_same_logprobs_and_gradients():
+    """A group's episodes share their first prompt and differ in the reply: with the prefix tree the
+    prompt (the row but its tail) is read once for all of them, with the same log-probs and LoRA
+    gradients as reading each row after the shared prefix."""
+    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
+    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>", "up</action>"])
+    same_prompt = [(steps[0][0], tokenizer(reply, add_special_tokens=False).input_ids, advantage)
+                   for reply, advantage in [("left</action>", -1.0), ("up</action>", 0.5)]]
+    batch = msgrpo.collate_steps(steps + same_prompt, tokenizer.pad_token_id, read_once=True)
+    model.train()
+    results = {}
+    for heads_once in (False, True):
+        model.zero_grad()
+        forward_rows = []
+        original_forward = type(model).forward
+
+        def counting_forward(self, *args, **kwargs):
+            forward_rows.append(kwargs["input_ids"].shape[0])
+            return original_forward(self, *args, **kwargs)
+
+        with mock.patch.object(support, "READ_HEADS_ONCE", heads_once), \
+                mock.patch.object(type(model), "forward", counting_forward):
+            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
+        msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+        results[heads_once] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                              if p.requires_grad}
+        # the prefix once, then (heads once) the 3 distinct prompts, then all 5 rows' tails
+        assert forward_rows == ([1, 3, 5] if heads_once else [1, 5])
+    (rows, rows_grads), (heads, heads_grads) = results[False], results[True]
+    assert (rows - heads)[mask.bool()].abs().max() < 1e-4
+    for name, grad in rows_grads.items():
+        torch.testing.assert_close(heads_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
 def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_gradients():
     """Each 4-bit base weight dequantized once and kept must give what bitsandbytes computes, forward
     and backward, and the layers must be bitsandbytes' own again afterwards."""
@@ -319,6 +354,44 @@ def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_grad
     assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
     for name, grad in plain_grads.items():
         torch.testing.assert_close(kept_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
+    """The oneDNN kernel for the kept base weights (chosen where it is faster) must give the default
+    kernel's log-probs and LoRA gradients, forward and backward, up to float rounding."""
+    if torch.cuda.is_available() or not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN's CPU kernels only")
+    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
+    batch = msgrpo.collate_steps(_lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"]),
+                                 tokenizer.pad_token_id, read_once=True)
+    model.train()
+    results = {}
+    for onednn in (False, True):
+        model.zero_grad()
+        with mock.patch.object(support, "onednn_is_faster", lambda shape: onednn), \
+                mock.patch.object(support.OneDNNFrozenLinear, "apply",
+                                  wraps=support.OneDNNFrozenLinear.apply) as calls, \
+                support.dequantized_4bit_weights(model):
+            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
+            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+        assert calls.called == onednn
+        results[onednn] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.requires_grad}
+    (plain, plain_grads), (onednn, onednn_grads) = results[False], results[True]
+    assert (plain - onednn)[mask.bool()].abs().max() < 1e-4
+    assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(onednn_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_onednn_linear_backward_is_the_transposed_product():
+    """dL/dx = dL/dy W, hand-checked on a 2x3 weight: y = x W^T."""
+    weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    x = torch.tensor([[1.0, 0.0, -1.0]], requires_grad=True)
+    y = support.OneDNNFrozenLinear.apply(x, weight, weight.t().contiguous())
+    assert torch.allclose(y, torch.tensor([[-2.0, -2.0]]))
+    y.backward(torch.tensor([[1.0, 1.0]]))
+    assert torch.allclose(x.grad, torch.tensor([[5.0, 7.0, 9.0]]))
 
 
 def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
@@ -618,7 +691,7 @@ def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
 # --- the map-reading probe -----------------------------------------------------------------------
 
 PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right") for kind in ("hole", "ice", "ratio")} | {
-    "probe_greedy_success"}
+    "probe_greedy_success", "probe_left_up_blocked"}
 
 
 def test_probe_states_are_every_open_cell_of_training_maps_as_the_game_shows_them():
@@ -653,6 +726,8 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
              (2, 1): (0.9, 0.9)}  # edge / goal
     states = [(map_rows, cell, f"observation {i}") for i, cell in enumerate(table)]
     probabilities = np.array([[0.0, down, right, 0.0] for down, right in table.values()])
+    probabilities[2, [0, 3]] = [0.1, 0.15]  # (0, 2): down a hole, right the edge, so left + up count
+    probabilities[0, [0, 3]] = [0.3, 0.3]  # (0, 0): right is ice, so this state does not
 
     def fake_move_probabilities(model, tokenizer, prompts, micro_batch, greedy=False):
         assert prompts == [f"prompt of {obs}" for _, _, obs in states] and greedy
@@ -668,6 +743,7 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     assert result["probe_down_ratio"] == pytest.approx(0.25)
     assert result["probe_right_hole"] == pytest.approx(0.1) and result["probe_right_ice"] == pytest.approx(0.4)
     assert result["probe_right_ratio"] == pytest.approx(0.25)
+    assert result["probe_left_up_blocked"] == pytest.approx(0.25)
     probabilities = probabilities[[1]]  # down walks onto ice only: no hole to compare with
     states = states[1:2]
     result = support.map_reading_probe(None, None, msgrpo.Config(), states, prompt_ids)

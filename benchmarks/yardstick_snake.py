@@ -1,0 +1,191 @@
+"""Can the model learn to read Snake's "Next to your head" line? The supervised yardstick.
+
+    python benchmarks/yardstick_snake.py --out results/yardstick_snake
+
+benchmarks/yardstick.py asks this of Frozen Lake's neighbour line; this script asks it of Snake's.
+On Snake states from held-out games it teaches a fresh LoRA adapter the never-die rule, which
+needs nothing but the line "Next to your head: up wall, right empty, down your neck (not allowed),
+left apple": answer a move that runs into neither a wall, your body, nor your neck. The label of a
+state is the straight-unless-deadly move (keep going if that is safe, else a safe move drawn at
+random), written as "MOVE</action>" after the trainer's own prompt, with the trainer's loss pieces
+(msgrpo.collate_steps, msgrpo.response_logprobs). Half the training states have the move straight
+on deadly, so a model that ignores the line and says "keep going" scores a half there at best.
+
+The score is read on states of games never trained on: the most likely first reply token is a
+safe move (or not), split by whether going straight on is deadly there, and the mean probability
+on deadly or not-allowed moves. A policy that reads the line scores near 1 in both columns;
+one that keeps going everywhere scores 0 where straight on is deadly.
+"""
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import baselines  # noqa: E402
+import envs  # noqa: E402
+import msgrpo  # noqa: E402
+import support  # noqa: E402
+from yardstick import trainable_parameters  # noqa: E402
+
+TRAIN_SEED, HELDOUT_SEED = 10_000, 20_000  # game seeds of training states / held-out states
+MAX_WALK = 3  # safe moves played from the start before the state is shown
+OPTIONS = {"size": 6, "apples": 5, "max_steps": 5}  # Snake's CPU training setting
+# move_probabilities' columns are in Frozen Lake's action order; Snake's moves are the same words.
+COLUMN_OF_MOVE = [envs.FROZEN_LAKE_ACTIONS.index(move) for move in envs.SNAKE_ACTIONS]
+
+
+@dataclass(frozen=True)
+class State:
+    observation: str  # what the game shows, the neighbour line last
+    safe: frozenset  # moves (indices into envs.SNAKE_ACTIONS) that neither reverse nor die
+    straight_deadly: bool  # going straight on runs into a wall or the body
+    label: str  # the straight-unless-deadly move
+
+
+def draw_state(seed: int, rng: np.random.Generator) -> State | None:
+    """A state of the game of `seed`: half from the standard start, half facing the wall, then
+    0-3 random safe moves; None when the snake is boxed in (no safe move to label)."""
+    start = "facing_wall" if rng.random() < 0.5 else "standard"
+    game = envs.make("snake", **OPTIONS, start=start)
+    _, info = game.reset(seed=seed)
+    for _ in range(int(rng.integers(0, MAX_WALK + 1))):
+        safe = baselines.snake_safe_moves(info)
+        if not safe:
+            return None
+        _, _, terminated, truncated, info = game.step(int(rng.choice(safe)))
+        if terminated or truncated:
+            return None
+    safe = baselines.snake_safe_moves(info)
+    if not safe:
+        return None
+    ahead = envs.SNAKE_ACTIONS.index(info["direction"])
+    label = ahead if ahead in safe else int(rng.choice(safe))
+    return State(game.observation(), frozenset(safe), ahead not in safe, envs.SNAKE_ACTIONS[label])
+
+
+def states(count: int, first_seed: int, rng_seed: int, balanced: bool) -> list[State]:
+    """`count` states, one per game seed from `first_seed` on; balanced: half with straight on
+    deadly, shuffled; else in the games' natural mix."""
+    rng = np.random.default_rng(rng_seed)
+    wanted = {True: count // 2, False: count - count // 2}
+    drawn, seed = [], first_seed
+    while len(drawn) < count:
+        state, seed = draw_state(seed, rng), seed + 1
+        if state is None:
+            continue
+        if not balanced:
+            drawn.append(state)
+        elif wanted[state.straight_deadly] > 0:
+            wanted[state.straight_deadly] -= 1
+            drawn.append(state)
+    return [drawn[i] for i in rng.permutation(len(drawn))] if balanced else drawn
+
+
+def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg) for s in heldout]
+    probs = support.move_probabilities(model, tokenizer, prompts, cfg.micro_batch)
+    probs = probs[:, COLUMN_OF_MOVE]
+    top = probs.argmax(axis=1)
+    safe = np.array([int(top[i]) in s.safe for i, s in enumerate(heldout)])
+    unsafe_mass = np.array([sum(p for m, p in enumerate(probs[i]) if m not in s.safe)
+                            for i, s in enumerate(heldout)])
+    deadly_ahead = np.array([s.straight_deadly for s in heldout])
+    return {"safe": float(safe.mean()),
+            "safe_straight_deadly": float(safe[deadly_ahead].mean()),
+            "safe_straight_open": float(safe[~deadly_ahead].mean()),
+            "unsafe_probability": float(unsafe_mass.mean()),
+            "invalid_probability": float(1 - probs.sum(axis=1).mean()),
+            "straight_deadly": int(deadly_ahead.sum()), "states": len(heldout)}
+
+
+def train_step(model, optimizer, tokenizer, cfg, batch: list[State], grad_clip=1.0) -> float:
+    """One AdamW step on -mean log-prob of the labelled replies."""
+    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg),
+              tokenizer(f"{s.label}</action>", add_special_tokens=False).input_ids, 1.0)
+             for s in batch]
+    model.train()
+    logp, mask = msgrpo.response_logprobs(
+        model, msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True), 1.0)
+    loss = -(logp * mask).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainable_parameters(model), grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
+COLUMNS = ("| states seen | safe move | where straight on is deadly (n) | where it is open "
+           "| P(deadly or not allowed) | P(no move) | seconds |\n"
+           "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+TABLE_NOTE = ("Scored on held-out games' states (6x6, 5 apples, standard and facing-the-wall "
+              "starts, 0-3 safe moves in). Safe move: the most likely first reply token is a move "
+              "that runs into nothing; the two columns split the states by whether going straight "
+              "on is deadly (n of them). P(deadly or not allowed): the mean probability on moves "
+              "into a wall, the body or the neck; P(no move): on first tokens that name no move. "
+              "Seconds: since training began, scoring included.")
+
+
+def table_row(r: dict) -> str:
+    return (f"| {r['states_seen']} | {r['safe']:.3f} | {r['safe_straight_deadly']:.3f} "
+            f"({r['straight_deadly']}) | {r['safe_straight_open']:.3f} "
+            f"| {r['unsafe_probability']:.3f} | {r['invalid_probability']:.3f} "
+            f"| {r['seconds']:.0f} |")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--states", type=int, default=512,
+                        help="training states, half with straight on deadly")
+    parser.add_argument("--eval-states", type=int, default=200, help="held-out states, natural mix")
+    parser.add_argument("--eval-every", type=int, default=128, help="score after this many states")
+    parser.add_argument("--batch", type=int, default=16, help="training states per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
+    parser.add_argument("--out", type=Path, help="folder for yardstick.md and yardstick.json")
+    args = parser.parse_args(argv)
+
+    heldout = states(args.eval_states, HELDOUT_SEED, HELDOUT_SEED, balanced=False)
+    train = states(args.states, TRAIN_SEED, args.seed, balanced=True)
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(env="snake", model=args.model, seed=args.seed,
+                                                run_dir="unused"))
+    torch.manual_seed(args.seed)
+    model, tokenizer = msgrpo.load_policy(cfg)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr)
+    start, rows, seen = time.time(), [], 0
+
+    def record():
+        rows.append({"states_seen": seen, **score(model, tokenizer, cfg, heldout),
+                     "seconds": time.time() - start})
+        print(table_row(rows[-1]), flush=True)
+
+    print(COLUMNS, flush=True)
+    record()
+    for first in tqdm(range(0, len(train), args.batch), desc="yardstick: snake", unit="batch"):
+        batch = train[first:first + args.batch]
+        train_step(model, optimizer, tokenizer, cfg, batch)
+        before, seen = seen, seen + len(batch)
+        if seen // args.eval_every > before // args.eval_every or seen == len(train):
+            record()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        command = "python benchmarks/yardstick_snake.py " + shlex.join(argv)
+        support.save_json(args.out / "yardstick.json", {"command": command, "rows": rows})
+        support.save_text(args.out / "yardstick.md", "\n".join(
+            [COLUMNS, *map(table_row, rows), "", TABLE_NOTE, "", "Made by:", "", f"    {command}"])
+            + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
