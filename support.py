@@ -175,7 +175,8 @@ def read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, 
     split, shared = input_ids.shape[1] - keep, len(prefix_ids)
     head_tokens = torch.cat([input_ids[:, :split], attention_mask[:, shared:shared + split]], 1)
     heads, head_of_row = distinct_rows([tuple(row) for row in head_tokens.tolist()])
-    first_row = [head_of_row.tolist().index(head) for head in range(len(heads))]
+    rows_heads = head_of_row.tolist()
+    first_row = [rows_heads.index(head) for head in range(len(heads))]
     cache = prefix_cache(model, prefix_ids, len(heads))
     if split > 0:
         cache = model(input_ids=input_ids[first_row, :split].to(device),

@@ -106,11 +106,6 @@ def trained_steps(model, tokenizer, cfg, steps) -> int:
     return len(steps)
 
 
-def load(cfg, adapter):
-    torch.manual_seed(0)
-    return msgrpo.load_policy(cfg, adapter=adapter)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -134,14 +129,15 @@ def main(argv=None):
         model=args.model, groups=args.groups, group_size=args.group_size,
         temperature=args.temperature, env_options={"max_steps": args.max_steps}, run_dir="unused"))
     seeds = list(range(101, 101 + args.groups))
-    model, tokenizer = load(cfg, adapter)
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg, adapter=adapter)
     torch.manual_seed(0)
     episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)  # warm-up, and the steps to train
     env_steps = sum(len(ep.rewards) for ep in episodes)
     advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
     steps = msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
 
-    def measure(model, tokenizer, cfg, on):
+    def measure(on):
         peak = []
         with levers(on):
             rollout = median_seconds_per_item(
@@ -151,8 +147,7 @@ def main(argv=None):
                     functools.partial(trained_steps, model, tokenizer, cfg, steps), args.repeats)
         return {"rollout": rollout, "trained": trained, "peak_mb": peak[0]}
 
-    results = {"before": measure(model, tokenizer, cfg, on=False),
-               "after": measure(model, tokenizer, cfg, on=True)}
+    results = {"before": measure(on=False), "after": measure(on=True)}
 
     prompts = [p for p, _, _ in steps]
     before = results["before"]
@@ -166,8 +161,8 @@ def main(argv=None):
     policy = adapter.resolve().relative_to(ROOT) if adapter else "a new adapter"
     distinct, tokens = len(set(map(tuple, prompts))), np.mean([len(p) for p in prompts])
     lines = [f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
-             f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, step limit "
-             f"{args.max_steps}: "
+             f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, "
+             f"step limit {args.max_steps}: "
              f"{env_steps} env steps, {distinct} distinct prompts of {tokens:.0f} tokens, "
              f"{support.shared_prefix_length(prompts)} shared by all.", "",
              "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),

@@ -240,6 +240,12 @@ def check_targets_start_with_the_move(tokenizer):
 def train_step(model, optimizer, tokenizer, cfg, states, wording, grad_clip=1.0):
     """One AdamW step on -mean log-prob of the labelled reply tokens."""
     steps = [(prompt_ids(tokenizer, cfg, s, wording), target_ids(tokenizer, s.label), 1.0) for s in states]
+    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
+
+
+def supervised_step(model, optimizer, tokenizer, steps, grad_clip=1.0):
+    """One AdamW step on -mean log-prob of the target tokens of steps: (prompt ids, target ids, 1.0),
+    through the trainer's own collate_steps and response_logprobs."""
     batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True)
     model.train()
     logp, mask = msgrpo.response_logprobs(model, batch, 1.0)

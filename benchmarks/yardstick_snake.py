@@ -34,7 +34,7 @@ import baselines  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
-from yardstick import trainable_parameters  # noqa: E402
+from yardstick import supervised_step, target_ids, trainable_parameters  # noqa: E402
 
 TRAIN_SEED, HELDOUT_SEED = 10_000, 20_000  # game seeds of training states / held-out states
 MAX_WALK = 3  # safe moves played from the start before the state is shown
@@ -109,18 +109,9 @@ def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
 
 def train_step(model, optimizer, tokenizer, cfg, batch: list[State], grad_clip=1.0) -> float:
     """One AdamW step on -mean log-prob of the labelled replies."""
-    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg),
-              tokenizer(f"{s.label}</action>", add_special_tokens=False).input_ids, 1.0)
-             for s in batch]
-    model.train()
-    logp, mask = msgrpo.response_logprobs(
-        model, msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True), 1.0)
-    loss = -(logp * mask).sum() / mask.sum()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(trainable_parameters(model), grad_clip)
-    optimizer.step()
-    return loss.item()
+    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg), target_ids(tokenizer, s.label),
+              1.0) for s in batch]
+    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
 
 
 COLUMNS = ("| states seen | safe move | where straight on is deadly (n) | where it is open "

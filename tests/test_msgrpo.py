@@ -270,6 +270,15 @@ def _tiny_policy_with_a_trained_adapter():
     return cfg, model, tokenizer
 
 
+def _logprobs_and_lora_grads(model, batch):
+    """Forward + backward of the clipped loss at ratio 1 on a fresh gradient: (log-probs, mask,
+    {LoRA weight name: gradient})."""
+    model.zero_grad()
+    logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
+    msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+    return logp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
     """The shared prefix run once (its keys and values repeated for every row) and identical steps
     read once must give the same per-step log-probs and the same LoRA gradients as one row per step."""
@@ -308,7 +317,6 @@ def test_reading_each_distinct_head_once_gives_the_same_logprobs_and_gradients()
     model.train()
     results = {}
     for heads_once in (False, True):
-        model.zero_grad()
         forward_rows = []
         original_forward = type(model).forward
 
@@ -318,13 +326,10 @@ def test_reading_each_distinct_head_once_gives_the_same_logprobs_and_gradients()
 
         with mock.patch.object(support, "READ_HEADS_ONCE", heads_once), \
                 mock.patch.object(type(model), "forward", counting_forward):
-            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
-        msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
-        results[heads_once] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                              if p.requires_grad}
+            results[heads_once] = _logprobs_and_lora_grads(model, batch)
         # the prefix once, then (heads once) the 3 distinct prompts, then all 5 rows' tails
         assert forward_rows == ([1, 3, 5] if heads_once else [1, 5])
-    (rows, rows_grads), (heads, heads_grads) = results[False], results[True]
+    (rows, mask, rows_grads), (heads, _, heads_grads) = results[False], results[True]
     assert (rows - heads)[mask.bool()].abs().max() < 1e-4
     for name, grad in rows_grads.items():
         torch.testing.assert_close(heads_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
@@ -342,14 +347,11 @@ def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_grad
     model.train()
     results = {}
     for kept in (False, True):
-        model.zero_grad()
         with support.dequantized_4bit_weights(model) if kept else contextlib.nullcontext():
             assert all(("forward" in vars(layer)) == (kept and not torch.cuda.is_available()) for layer in layers)
-            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
-            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
-        results[kept] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            results[kept] = _logprobs_and_lora_grads(model, batch)
     assert not any("forward" in vars(layer) for layer in layers)  # bitsandbytes' forward is back
-    (plain, plain_grads), (kept, kept_grads) = results[False], results[True]
+    (plain, mask, plain_grads), (kept, _, kept_grads) = results[False], results[True]
     assert (plain - kept)[mask.bool()].abs().max() < 1e-5
     assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
     for name, grad in plain_grads.items():
@@ -367,17 +369,13 @@ def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
     model.train()
     results = {}
     for onednn in (False, True):
-        model.zero_grad()
         with mock.patch.object(support, "onednn_is_faster", lambda shape: onednn), \
                 mock.patch.object(support.OneDNNFrozenLinear, "apply",
                                   wraps=support.OneDNNFrozenLinear.apply) as calls, \
                 support.dequantized_4bit_weights(model):
-            logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
-            msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+            results[onednn] = _logprobs_and_lora_grads(model, batch)
         assert calls.called == onednn
-        results[onednn] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                          if p.requires_grad}
-    (plain, plain_grads), (onednn, onednn_grads) = results[False], results[True]
+    (plain, mask, plain_grads), (onednn, _, onednn_grads) = results[False], results[True]
     assert (plain - onednn)[mask.bool()].abs().max() < 1e-4
     assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
     for name, grad in plain_grads.items():
