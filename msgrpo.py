@@ -50,7 +50,7 @@ class Config:
     model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
     quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), computing in compute_dtype
     lora_r: int = 8  # LoRA rank
-    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 45); --resume RUN --iterations N
+    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 70); --resume RUN --iterations N
     groups: int = 8  # B: start states per iteration
     group_size: int = 8  # G: episodes per start state
     late_after: int = -1  # early-phase iterations (phase_settings); 0 = one phase; -1 = the game's
@@ -90,7 +90,7 @@ SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_
 # iterations. Minibatches of 16 steps, ~6 AdamW steps an iteration from the same rollouts (the clip
 # keeps each near the sampling policy): with one step an iteration it never read its neighbour line
 # in 44 iterations, and even a label on every state needed ~100 AdamW steps to teach that line.
-SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 45
+SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 70
 
 def resolve_defaults(cfg: Config) -> Config:
     """Fill the choices that depend on the machine, so config.json records what actually ran."""

@@ -951,7 +951,7 @@ def plot_curves(run_dir: Path) -> None:
 # validate_config stops first.
 NUMERIC_FLAGS = [
     ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 45)",
+    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 70)",
      lambda v: v >= 1, "at least 1 (0: the device's default)"),
     ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
     ("group-size", int, "G: episodes per start state",
