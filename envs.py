@@ -394,6 +394,40 @@ def walks_onto(map_rows, position, action):
     return "edge" if (row, col) == tuple(position) else TILE_NAMES[map_rows[row][col]]
 
 
+def rule_move(map_rows, position, preference=("down", "right")):
+    """The neighbour rule's move: the first move of `preference` (move names) that walks onto
+    neither a hole nor the edge; the last one if each does. ("down", "right") is the rule a trained
+    policy first learns: down unless that is a hole or the edge, else right."""
+    moves = [FROZEN_LAKE_ACTIONS.index(name) for name in preference]
+    return next((m for m in moves if walks_onto(map_rows, position, m) not in ("hole", "edge")), moves[-1])
+
+
+def rule_walk_wins(map_rows, position, steps, preference=("down", "right")):
+    """Whether greedy play of rule_move from `position` reaches the goal within `steps` firm moves."""
+    for _ in range(steps):
+        position = frozen_lake_slide(map_rows, position, rule_move(map_rows, position, preference))
+        if map_rows[position[0]][position[1]] in "HG":
+            return map_rows[position[0]][position[1]] == "G"
+    return False
+
+
+def goal_distances(map_rows):
+    """{cell: the fewest firm moves from it to the goal}, for the cells that can reach it (a breadth-
+    first search back from the goal; no path steps on a hole, which would end the game)."""
+    goal = cells_with(map_rows, "G")[0]
+    distances, frontier = {goal: 0}, [goal]
+    while frontier:
+        cell = frontier.pop(0)
+        for action in range(len(FROZEN_LAKE_STEPS)):
+            d_row, d_col = FROZEN_LAKE_STEPS[action]
+            before = (cell[0] - d_row, cell[1] - d_col)  # a move in `action` from `before` lands on cell
+            inside = 0 <= before[0] < len(map_rows) and 0 <= before[1] < len(map_rows[0])
+            if inside and before not in distances and map_rows[before[0]][before[1]] in "SF":
+                distances[before] = distances[cell] + 1
+                frontier.append(before)
+    return distances
+
+
 def neighbour_text(map_rows, position):
     """What each move would walk onto: 'left edge, down ice, right hole, up edge'."""
     return ", ".join(f"{name} {walks_onto(map_rows, position, action)}"
@@ -412,7 +446,7 @@ class FrozenLake(TextGame):
     actions = FROZEN_LAKE_ACTIONS
     defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
                     start="S")
-    starts = ("S", "ice", "beside_hole", "hole_toward_goal")  # the first is where held-out games start
+    starts = ("S", "ice", "beside_hole", "hole_toward_goal", "rule_loses")  # the first: held-out games
     training_start = "beside_hole"
 
     def __init__(self, **options):
@@ -438,14 +472,21 @@ class FrozenLake(TextGame):
 
     def start_cell(self):
         """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell ("ice"), an
-        ice cell one move from a hole ("beside_hole"), or one where a move toward the goal walks into a
-        hole ("hole_toward_goal": the moves a player heading for G makes are the ones worth testing);
-        any ice cell on a map without such a cell."""
+        ice cell one move from a hole ("beside_hole"), one where a move toward the goal walks into a
+        hole ("hole_toward_goal": the moves a player heading for G makes are the ones worth testing),
+        or one from which the neighbour rule (rule_move) falls in or runs out of steps although the
+        goal is within reach ("rule_loses": where only a detour wins); any ice cell on a map without
+        such a cell."""
         if self.start == "S":
             return cells_with(self.map, "S")[0]
         ice = cells_with(self.map, "S") + cells_with(self.map, "F")
         if self.start == "ice":
             return ice[self.rng.integers(len(ice))]
+        if self.start == "rule_loses":
+            reachable = goal_distances(self.map)
+            cells = [cell for cell in ice if reachable.get(cell, self.max_steps + 1) <= self.max_steps
+                     and not rule_walk_wins(self.map, cell, self.max_steps)] or ice
+            return cells[self.rng.integers(len(cells))]
         tested = {cell: range(len(self.actions)) if self.start == "beside_hole" else self.moves_toward_goal(cell)
                   for cell in ice}
         cells = [cell for cell in ice if any(walks_onto(self.map, cell, a) == "hole" for a in tested[cell])] or ice
@@ -914,7 +955,9 @@ def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_option
         "invalid_rate": sum(e["invalid"] for e in episodes) / total_steps,
         "mean_steps": total_steps / n,
     }
-    if env_name != "frozen_lake":
+    if env_name == "frozen_lake":  # which maps were won, to compare policies map by map
+        result["won_seeds"] = [seed for seed, e in zip(seeds, episodes) if e["success"]]
+    else:
         mean_apples, apples_ci = mean_ci95([e["apples"] for e in episodes])
         deaths = sum(e["died"] for e in episodes)
         result.update(mean_apples=mean_apples, apples_ci95=apples_ci, deaths=deaths, death_rate=deaths / n)

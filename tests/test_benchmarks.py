@@ -60,13 +60,30 @@ def test_the_neighbour_rule_steps_around_holes_a_fixed_route_falls_into():
     assert not fixed_routes.neighbour_rule_wins(stuck, "right", "down")
 
 
+class NeighbourRuleAgent:
+    def act(self, observation, info):
+        return envs.FROZEN_LAKE_ACTIONS[envs.rule_move(info["map"], info["position"])]
+
+
+def test_played_as_an_agent_the_neighbour_rule_wins_its_own_maps_and_no_others(tmp_path):
+    seeds = envs.heldout_seeds(40)
+    result = envs.evaluate(NeighbourRuleAgent(), "frozen_lake", seeds)
+    assert result["won_seeds"] == [seed for seed in seeds if fixed_routes.neighbour_rule_wins(
+        envs.make("frozen_lake").reset(seed=int(seed))[1]["map"], "down", "right")]
+    table = fixed_routes.against_the_rule(result["won_seeds"], seeds)
+    assert table["policy_wins_those"] == table["policy_loses_those"] == 0
+    assert table["rule_wins"] == len(result["won_seeds"]) and table["rule_loses"] == 40 - table["rule_wins"] > 0
+    everything = fixed_routes.against_the_rule(seeds, seeds)  # a policy that wins every map
+    assert everything["policy_wins_those"] == table["rule_loses"]
+
+
 def test_a_rule_that_reads_only_below_it_still_walks_right_into_holes_on_the_probe():
     # ("down", "right") plays right wherever down is blocked, whatever lies to the right; the rule
     # that falls back to left and up as well never walks into a hole it is shown, if it has another move.
-    assert fixed_routes.rule_move(["SH", "FG"], (0, 0), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("down")
+    assert envs.rule_move(["SH", "FG"], (0, 0), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("down")
     cornered = ["FSH", "FHG"]  # at S both down and right walk into a hole
-    assert fixed_routes.rule_move(cornered, (0, 1), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("right")
-    assert fixed_routes.rule_move(cornered, (0, 1), ("down", "right", "left", "up")) == 0  # left
+    assert envs.rule_move(cornered, (0, 1), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("right")
+    assert envs.rule_move(cornered, (0, 1), ("down", "right", "left", "up")) == 0  # left
     down_only, both = (fixed_routes.rule_on_the_probe(rule) for rule in (("down", "right"), fixed_routes.RULES[-1]))
     assert down_only["probe_down_hole"] == 0 and down_only["probe_right_hole"] > 0
     assert both["probe_down_hole"] == both["probe_right_hole"] == 0
@@ -231,6 +248,34 @@ def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp
         ("neighbour line first", 0), ("one line per move", 0), ("one line per move", 16), ("one line per move", 32)]
     text = (tmp_path / "yardstick.md").read_text()
     assert "| neighbour line first | 0 | 0.500 |" in text and text.count("    python benchmarks/yardstick.py") == 2
+
+
+def test_detour_yardstick_labels_start_shortest_paths_and_half_need_a_detour():
+    import yardstick_detour
+
+    # SFF / FFF / FHG from (1, 0): the rule goes down, into the pocket (2, 0) whose only way on is the
+    # hole; right, right, down is the shortest way. From (0, 1) down is on a shortest path.
+    pocket = ("SFF", "FFF", "FHG")
+    right, down = (envs.FROZEN_LAKE_ACTIONS.index(move) for move in ("right", "down"))
+    assert yardstick_detour.shortest_path_moves(pocket, (1, 0)) == {right}
+    assert yardstick_detour.shortest_path_moves(pocket, (0, 1)) == {down, right}
+    heldout, heldout_maps = yardstick_detour.states(40, yardstick.HELDOUT_MAP_SEED, 0)
+    train, train_maps = yardstick_detour.states(40, yardstick.TRAIN_MAP_SEED, 0, heldout_maps)
+    assert sum(s.detour for s in train) == sum(s.detour for s in heldout) == 20
+    assert {s.detour for s in train[:10]} == {True, False}  # shuffled
+    assert not train_maps & heldout_maps
+    for s in train + heldout:
+        assert envs.FROZEN_LAKE_ACTIONS.index(s.label) in s.optimal
+        assert s.detour == (s.rule_move not in s.optimal) and s.observation.startswith("Frozen Lake")
+    rows = yardstick_detour.main(["--model", "tiny", "--states", "32", "--eval-states", "16",
+                                  "--eval-every", "16"])
+    assert [r["states_seen"] for r in rows] == [0, 16, 32] and rows[0]["detours"] == 8
+    rules = yardstick_detour.rule_scores(heldout)
+    assert rules["down unless hole or edge, else right"][0] == 0  # by definition of a detour
+    assert rules["down unless hole or edge, else right"][1] == 1
+    assert all(0 <= r[key] <= 1 for r in rows
+               for key in ("optimal", "optimal_detour", "optimal_beyond_rules", "optimal_elsewhere"))
+    assert 0 < rows[0]["beyond_rules"] < rows[0]["detours"]
 
 
 def test_bench_cpu_times_before_and_after_side_by_side(tmp_path):

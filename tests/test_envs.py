@@ -172,7 +172,7 @@ def test_exploring_starts_put_you_on_ice_or_beside_a_hole_chosen_by_the_seed():
     obs, _ = anywhere.reset(seed=1)
     row, col = anywhere.position
     assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs  # the text is written from where you start
-    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole, hole_toward_goal"):
+    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole, hole_toward_goal, rule_loses"):
         envs.make("frozen_lake", start="corner")
     assert envs.option_from_text("frozen_lake", "start", " beside_hole ") == "beside_hole"
 
@@ -189,6 +189,26 @@ def test_starts_with_a_hole_toward_the_goal_test_only_the_moves_that_near_it():
     assert upside_down.moves_toward_goal((1, 1)) == [envs.FROZEN_LAKE_ACTIONS.index(m) for m in ("left", "up")]
     holeless = envs.make("frozen_lake", map=["SF", "FG"], start="hole_toward_goal")
     assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (0, 1), (1, 0)}
+
+
+def test_starts_where_the_neighbour_rule_loses_are_those_only_a_detour_wins():
+    # SFF / FFF / FHG: "down, else right" walks down the left column and then right into the hole from
+    # (0, 0), (1, 0) and (2, 0); from the other cells it reaches G. The goal is 4 moves from (0, 0) and
+    # (2, 0), 3 from (1, 0), so with a budget of 3 moves only (1, 0) is a start where a detour still wins.
+    pocket = ["SFF", "FFF", "FHG"]
+    assert envs.goal_distances(pocket) == {(2, 2): 0, (1, 2): 1, (0, 2): 2, (1, 1): 2, (0, 1): 3,
+                                           (1, 0): 3, (0, 0): 4, (2, 0): 4}
+    assert [envs.rule_walk_wins(pocket, cell, 16) for cell in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))] == [
+        False, False, False, True, True]
+    assert not envs.rule_walk_wins(pocket, (0, 1), 2)  # three moves needed
+    loses = envs.make("frozen_lake", map=pocket, start="rule_loses")
+    assert {loses.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (1, 0), (2, 0)}
+    short = envs.make("frozen_lake", map=pocket, start="rule_loses", max_steps=3)
+    assert {short.reset(seed=seed)[1]["position"] for seed in range(20)} == {(1, 0)}
+    easy = ["SFF", "FHF", "FFG"]  # the rule wins from each of the 7 ice cells
+    assert all(envs.rule_walk_wins(easy, cell, 16) for cell in envs.cells_with(easy, "F"))
+    everywhere = envs.make("frozen_lake", map=easy, start="rule_loses")  # no such cell: any ice cell
+    assert len({everywhere.reset(seed=seed)[1]["position"] for seed in range(100)}) == 7
 
 
 def test_frozen_lake_goal_hole_and_info():
