@@ -243,6 +243,14 @@ def train_step(model, optimizer, tokenizer, cfg, states, wording, grad_clip=1.0)
     return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
 
 
+def observation_step(model, optimizer, tokenizer, cfg, states, grad_clip=1.0):
+    """One AdamW step on -mean log-prob of the labelled replies of states that carry their own
+    .observation (the game's text) and .label (the move)."""
+    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg), target_ids(tokenizer, s.label),
+              1.0) for s in states]
+    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
+
+
 def supervised_step(model, optimizer, tokenizer, steps, grad_clip=1.0):
     """One AdamW step on -mean log-prob of the target tokens of steps: (prompt ids, target ids, 1.0),
     through the trainer's own collate_steps and response_logprobs."""
@@ -285,18 +293,50 @@ def run_wording(model, tokenizer, cfg, wording, train, heldout, args):
         return {"wording": wording, "states_seen": seen, **score(model, tokenizer, cfg, heldout, wording),
                 "prompt_tokens": prompt_tokens, "seconds": time.time() - start}
 
-    rows = [row(0)]
-    print(table_row(rows[-1]), flush=True)
-    seen = 0
-    batches = range(0, len(train), args.batch)
-    for first in tqdm(batches, desc=f"yardstick: {wording}", unit="batch"):
-        batch = train[first:first + args.batch]
-        train_step(model, optimizer, tokenizer, cfg, batch, wording)
-        before, seen = seen, seen + len(batch)
-        if seen // args.eval_every > before // args.eval_every or seen == len(train):
-            rows.append(row(seen))
-            print(table_row(rows[-1]), flush=True)
+    rows = []
+
+    def record(seen):
+        rows.append(row(seen))
+        print(table_row(rows[-1]), flush=True)
+
+    one_labelled_pass(train, args.batch, args.eval_every, record, f"yardstick: {wording}",
+                      lambda batch: train_step(model, optimizer, tokenizer, cfg, batch, wording))
     return rows
+
+
+def scored_pass(train, args, score_now, step, table_row, desc):
+    """one_labelled_pass over `train` (args.batch, args.eval_every) with a row each time it
+    records: the states seen, score_now() and the seconds since it began, printed by table_row."""
+    start, rows = time.time(), []
+
+    def record(seen):
+        rows.append({"states_seen": seen, **score_now(), "seconds": time.time() - start})
+        print(table_row(rows[-1]), flush=True)
+
+    one_labelled_pass(train, args.batch, args.eval_every, record, desc, step)
+    return rows
+
+
+def save_table(out, command, json_fields, md_lines):
+    """out/yardstick.json ({"command", **json_fields}) and out/yardstick.md (md_lines, then the
+    command that made them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    support.save_json(out / "yardstick.json", {"command": command, **json_fields})
+    support.save_text(out / "yardstick.md",
+                      "\n".join([*md_lines, "", "Made by:", "", f"    {command}"]) + "\n")
+
+
+def one_labelled_pass(train, batch_size, eval_every, record, desc, step):
+    """step(batch) over `train`, batch_size states at a time; record(states seen) before the first
+    step, then each time another eval_every states have been seen, and after the last."""
+    record(0)
+    seen = 0
+    for first in tqdm(range(0, len(train), batch_size), desc=desc, unit="batch"):
+        batch = train[first:first + batch_size]
+        step(batch)
+        before, seen = seen, seen + len(batch)
+        if seen // eval_every > before // eval_every or seen == len(train):
+            record(seen)
 
 
 # ---- The table ------------------------------------------------------------------------------------

@@ -13,29 +13,30 @@ shortest path), through the trainer's own prompt and loss pieces (benchmarks/yar
 
 Half the training states, and half the held-out ones, need a detour: the neighbour rule's move
 is on no shortest path there. A model that learns only the neighbour rule scores near 1 on the
-other half and near 0 on these; one that reads the map scores near 1 on both. States are drawn as
-in benchmarks/yardstick.py: the start cell, then 0-5 random moves onto ice, one state per map;
-held-out states are on maps never trained on. If labels on every step cannot teach the detours,
+other half and near 0 on these; one that reads the map scores near 1 on both. A rule that reads
+only the neighbour line but tries right first already gets most detours (the table under the
+scores says how many), so a column counts the detour states where it misses too. States are
+drawn as in benchmarks/yardstick.py: the start cell, then 0-5 random moves onto ice, one state per
+map; held-out states are on maps never trained on. If labels on every step cannot teach the detours,
 reinforcement learning from episode returns, a far weaker signal, has little chance to.
 """
 
 import argparse
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
 from yardstick import (HELDOUT_MAP_SEED, MAX_STEPS, TRAIN_MAP_SEED, game_wording,  # noqa: E402
-                       random_map, random_walk, supervised_step, target_ids, trainable_parameters)
+                       observation_step, random_map, random_walk, save_table, scored_pass,
+                       trainable_parameters)
 
 LABEL_ORDER = ("down", "right", "left", "up")  # the label among equally short moves: the first
 
@@ -51,7 +52,7 @@ class State:
 
     @property
     def detour(self) -> bool:
-        """The neighbour rule's move is on no shortest path: only reading the map finds the move."""
+        """The neighbour rule's move is on no shortest path: a player of that rule gets it wrong."""
         return self.rule_move not in self.optimal
 
 
@@ -90,6 +91,14 @@ def states(count: int, first_seed: int, rng_seed: int, excluded_maps=frozenset()
     return [drawn[i] for i in rng.permutation(len(drawn))], {s.map_rows for s in drawn}
 
 
+# Rules that read only the "Next to you" line, scored like the model: what a detour column of a
+# model that learned no more than such a rule would read.
+REFERENCE_RULES = {
+    "always right": ("right",),
+    "down unless hole or edge, else right": ("down", "right"),
+    "right unless hole or edge, else down, left, up": ("right", "down", "left", "up")}
+
+
 def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
     """How often the most likely first reply token is a shortest-path move, split by whether the
     state needs a detour; and where it does, the mean probability of the neighbour rule's move."""
@@ -111,14 +120,6 @@ def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
             "detours": int(detour.sum()), "states": len(heldout)}
 
 
-# Rules that read only the "Next to you" line, scored like the model: what a detour column of a
-# model that learned no more than such a rule would read.
-REFERENCE_RULES = {
-    "always right": ("right",),
-    "down unless hole or edge, else right": ("down", "right"),
-    "right unless hole or edge, else down, left, up": ("right", "down", "left", "up")}
-
-
 def rule_scores(heldout: list[State]) -> dict:
     """{rule: (shortest-path move where a detour is needed, elsewhere)} for REFERENCE_RULES."""
     scores = {}
@@ -128,13 +129,6 @@ def rule_scores(heldout: list[State]) -> dict:
         detour = np.array([s.detour for s in heldout])
         scores[name] = (float(hits[detour].mean()), float(hits[~detour].mean()))
     return scores
-
-
-def train_step(model, optimizer, tokenizer, cfg, batch: list[State], grad_clip=1.0) -> float:
-    """One AdamW step on -mean log-prob of the labelled replies."""
-    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg), target_ids(tokenizer, s.label),
-              1.0) for s in batch]
-    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
 
 
 COLUMNS = ("| states seen | shortest-path move | where a detour is needed (n) | of those, where "
@@ -165,7 +159,7 @@ def table_row(r: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--states", type=int, default=1536,
+    parser.add_argument("--states", type=int, default=3072,
                         help="training states, half of them needing a detour")
     parser.add_argument("--eval-states", type=int, default=200,
                         help="held-out states, half of them needing a detour")
@@ -183,21 +177,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model, tokenizer = msgrpo.load_policy(cfg)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr)
-    start, rows, seen = time.time(), [], 0
-
-    def record():
-        rows.append({"states_seen": seen, **score(model, tokenizer, cfg, heldout),
-                     "seconds": time.time() - start})
-        print(table_row(rows[-1]), flush=True)
-
     print(COLUMNS, flush=True)
-    record()
-    for first in tqdm(range(0, len(train), args.batch), desc="yardstick: detours", unit="batch"):
-        batch = train[first:first + args.batch]
-        train_step(model, optimizer, tokenizer, cfg, batch)
-        before, seen = seen, seen + len(batch)
-        if seen // args.eval_every > before // args.eval_every or seen == len(train):
-            record()
+    rows = scored_pass(train, args, lambda: score(model, tokenizer, cfg, heldout),
+                       lambda batch: observation_step(model, optimizer, tokenizer, cfg, batch),
+                       table_row, "yardstick: detours")
     rules = rule_scores(heldout)
     rule_lines = ["| rule read from the neighbour line | where a detour is needed | elsewhere |",
                   "| --- | ---: | ---: |",
@@ -205,13 +188,10 @@ def main(argv=None):
                     for name, (detour, elsewhere) in rules.items())]
     print("\n".join(rule_lines))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        command = "python benchmarks/yardstick_detour.py " + shlex.join(argv)
-        support.save_json(args.out / "yardstick.json", {"command": command, "rows": rows,
-                                                         "rules": rules})
-        support.save_text(args.out / "yardstick.md", "\n".join(
-            [COLUMNS, *map(table_row, rows), "", TABLE_NOTE, "", *rule_lines, "", RULES_NOTE, "",
-             "Made by:", "", f"    {command}"]) + "\n")
+        save_table(args.out, "python benchmarks/yardstick_detour.py " + shlex.join(argv),
+                   {"rows": rows, "rules": rules},
+                   [COLUMNS, *map(table_row, rows), "", TABLE_NOTE, "", *rule_lines, "",
+                    RULES_NOTE])
     return rows
 
 

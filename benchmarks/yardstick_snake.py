@@ -18,23 +18,21 @@ one that keeps going everywhere scores 0 where straight on is deadly.
 """
 
 import argparse
-import json
 import shlex
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import baselines  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
-from yardstick import supervised_step, target_ids, trainable_parameters  # noqa: E402
+from yardstick import (observation_step, save_table, scored_pass,  # noqa: E402
+                       trainable_parameters)
 
 TRAIN_SEED, HELDOUT_SEED = 10_000, 20_000  # game seeds of training states / held-out states
 MAX_WALK = 3  # safe moves played from the start before the state is shown
@@ -107,13 +105,6 @@ def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
             "straight_deadly": int(deadly_ahead.sum()), "states": len(heldout)}
 
 
-def train_step(model, optimizer, tokenizer, cfg, batch: list[State], grad_clip=1.0) -> float:
-    """One AdamW step on -mean log-prob of the labelled replies."""
-    steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg), target_ids(tokenizer, s.label),
-              1.0) for s in batch]
-    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
-
-
 COLUMNS = ("| states seen | safe move | where straight on is deadly (n) | where it is open "
            "| P(deadly or not allowed) | P(no move) | seconds |\n"
            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -153,28 +144,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model, tokenizer = msgrpo.load_policy(cfg)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr)
-    start, rows, seen = time.time(), [], 0
-
-    def record():
-        rows.append({"states_seen": seen, **score(model, tokenizer, cfg, heldout),
-                     "seconds": time.time() - start})
-        print(table_row(rows[-1]), flush=True)
-
     print(COLUMNS, flush=True)
-    record()
-    for first in tqdm(range(0, len(train), args.batch), desc="yardstick: snake", unit="batch"):
-        batch = train[first:first + args.batch]
-        train_step(model, optimizer, tokenizer, cfg, batch)
-        before, seen = seen, seen + len(batch)
-        if seen // args.eval_every > before // args.eval_every or seen == len(train):
-            record()
+    rows = scored_pass(train, args, lambda: score(model, tokenizer, cfg, heldout),
+                       lambda batch: observation_step(model, optimizer, tokenizer, cfg, batch),
+                       table_row, "yardstick: snake")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        command = "python benchmarks/yardstick_snake.py " + shlex.join(argv)
-        support.save_json(args.out / "yardstick.json", {"command": command, "rows": rows})
-        support.save_text(args.out / "yardstick.md", "\n".join(
-            [COLUMNS, *map(table_row, rows), "", TABLE_NOTE, "", "Made by:", "", f"    {command}"])
-            + "\n")
+        save_table(args.out, "python benchmarks/yardstick_snake.py " + shlex.join(argv),
+                   {"rows": rows}, [COLUMNS, *map(table_row, rows), "", TABLE_NOTE])
     return rows
 
 
