@@ -1040,9 +1040,9 @@ def build_parser(defaults, description: str, default_model: str) -> argparse.Arg
     p.add_argument("--training-start", choices=starts,
                    help="where training games start (default: the game's own: frozen_lake "
                         "beside_hole, an ice cell one move from a hole; hole_toward_goal, one "
-                        "where a move toward the goal walks into a hole; rule_loses, one from which "
-                        "'down unless hole or edge, else right' loses; snake facing_wall, the "
-                        "head on the border heading out); held-out evaluation starts where the "
+                        "where a move toward the goal walks into a hole; rule_loses, one from "
+                        "which 'down unless hole or edge, else right' loses; snake facing_wall, "
+                        "the head on the border heading out); held-out evaluation starts where the "
                         "game always does (S, standard)")
     p.add_argument("--think", action=argparse.BooleanOptionalAction,
                    help="ask for <think> before the action")
