@@ -287,21 +287,11 @@ def run_wording(model, tokenizer, cfg, wording, train, heldout, args):
     torch.manual_seed(args.seed)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr)
     prompt_tokens = float(np.mean([len(prompt_ids(tokenizer, cfg, s, wording)) for s in heldout]))
-    start = time.time()
-
-    def row(seen):
-        return {"wording": wording, "states_seen": seen, **score(model, tokenizer, cfg, heldout, wording),
-                "prompt_tokens": prompt_tokens, "seconds": time.time() - start}
-
-    rows = []
-
-    def record(seen):
-        rows.append(row(seen))
-        print(table_row(rows[-1]), flush=True)
-
-    one_labelled_pass(train, args.batch, args.eval_every, record, f"yardstick: {wording}",
-                      lambda batch: train_step(model, optimizer, tokenizer, cfg, batch, wording))
-    return rows
+    return scored_pass(train, args,
+                       lambda: {"wording": wording, **score(model, tokenizer, cfg, heldout, wording),
+                                "prompt_tokens": prompt_tokens},
+                       lambda batch: train_step(model, optimizer, tokenizer, cfg, batch, wording),
+                       table_row, f"yardstick: {wording}")
 
 
 def scored_pass(train, args, score_now, step, table_row, desc):
