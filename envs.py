@@ -415,12 +415,11 @@ def goal_distances(map_rows):
     """{cell: the fewest firm moves from it to the goal}, for the cells that can reach it (a breadth-
     first search back from the goal; no path steps on a hole, which would end the game)."""
     goal = cells_with(map_rows, "G")[0]
-    distances, frontier = {goal: 0}, [goal]
+    distances, frontier = {goal: 0}, deque([goal])
     while frontier:
-        cell = frontier.pop(0)
-        for action in range(len(FROZEN_LAKE_STEPS)):
-            d_row, d_col = FROZEN_LAKE_STEPS[action]
-            before = (cell[0] - d_row, cell[1] - d_col)  # a move in `action` from `before` lands on cell
+        cell = frontier.popleft()
+        for d_row, d_col in FROZEN_LAKE_STEPS:
+            before = (cell[0] - d_row, cell[1] - d_col)  # that move from `before` lands on cell
             inside = 0 <= before[0] < len(map_rows) and 0 <= before[1] < len(map_rows[0])
             if inside and before not in distances and map_rows[before[0]][before[1]] in "SF":
                 distances[before] = distances[cell] + 1

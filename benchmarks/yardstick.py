@@ -105,22 +105,35 @@ def training_states(count, seed, excluded_maps):
     common), and the held-out score must be on maps never trained on.
     """
     rng = np.random.default_rng(seed)
-    wanted = {"down": count // 2, "right": count - count // 2}
-    states = []
-    for map_seed in range(TRAIN_MAP_SEED, HELDOUT_MAP_SEED):  # never into the held-out seeds
-        if len(states) == count:
-            break
-        map_rows = random_map(map_seed)
-        if map_rows in excluded_maps:
-            continue
-        state = draw_state(map_rows, rng)
-        if wanted[state.label] > 0:
-            wanted[state.label] -= 1
-            states.append(state)
+    seeds = range(TRAIN_MAP_SEED, HELDOUT_MAP_SEED)  # never into the held-out seeds
+    candidates = states_on_maps(seeds, excluded_maps, lambda map_rows: draw_state(map_rows, rng))
+    states = balanced_draw(candidates, count, lambda state: state.label == "down")
     if len(states) < count:
         raise ValueError(f"could not draw {count} balanced training states from the training seeds")
     # Drawn until both halves are full, the tail is all one label: shuffle so every batch mixes both.
     return [states[i] for i in rng.permutation(len(states))]
+
+
+def states_on_maps(map_seeds, excluded_maps, draw):
+    """draw(map_rows) on the map of each seed in turn, skipping maps in `excluded_maps`; lazily, so
+    nothing is drawn beyond what the consumer takes."""
+    for map_seed in map_seeds:
+        map_rows = random_map(map_seed)
+        if map_rows not in excluded_maps:
+            yield draw(map_rows)
+
+
+def balanced_draw(candidates, count, half):
+    """The states of the iterator `candidates`, in order, that fill count // 2 places with
+    half(state) true and the other count - count // 2 with it false; fewer if candidates run out.
+    Nothing more is taken once both halves are full, so a random stream behind it stops there."""
+    wanted = {True: count // 2, False: count - count // 2}
+    drawn = []
+    while len(drawn) < count and (state := next(candidates, None)) is not None:
+        if wanted[half(state)] > 0:
+            wanted[half(state)] -= 1
+            drawn.append(state)
+    return drawn
 
 
 # ---- Wordings: (map rows, position, steps left) -> the observation text -------------------------
@@ -368,6 +381,18 @@ def write_outputs(out, rows):
     return rows
 
 
+def add_training_flags(parser, eval_every):
+    """The flags every yardstick shares: when to score, the batch, the rate, the seed, the model,
+    and where the tables go."""
+    parser.add_argument("--eval-every", type=int, default=eval_every,
+                        help="score after this many training states")
+    parser.add_argument("--batch", type=int, default=16, help="training states per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
+    parser.add_argument("--out", type=Path, help="folder for yardstick.md and yardstick.json")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -375,13 +400,8 @@ def main(argv=None):
                         help="wordings to run, quoted: " + ", ".join(f'"{name}"' for name in WORDINGS))
     parser.add_argument("--states", type=int, default=768, help="training states, half down, half right")
     parser.add_argument("--eval-states", type=int, default=240, help="held-out states, natural mix")
-    parser.add_argument("--eval-every", type=int, default=256, help="score after this many training states")
-    parser.add_argument("--batch", type=int, default=16, help="training states per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--lora-r", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
-    parser.add_argument("--out", type=Path, help="folder for yardstick.md and yardstick.json")
+    add_training_flags(parser, eval_every=256)
     args = parser.parse_args(argv)
     command = "python benchmarks/yardstick.py " + shlex.join(argv)
 

@@ -22,6 +22,7 @@ reinforcement learning from episode returns, a far weaker signal, has little cha
 """
 
 import argparse
+import itertools
 import shlex
 import sys
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
-from yardstick import (HELDOUT_MAP_SEED, MAX_STEPS, TRAIN_MAP_SEED, game_wording,  # noqa: E402
-                       observation_step, random_map, random_walk, save_table, scored_pass,
+from yardstick import (HELDOUT_MAP_SEED, MAX_STEPS, TRAIN_MAP_SEED,  # noqa: E402
+                       add_training_flags, balanced_draw, game_wording, observation_step,
+                       random_walk, save_table, scored_pass, states_on_maps,
                        trainable_parameters)
 
 LABEL_ORDER = ("down", "right", "left", "up")  # the label among equally short moves: the first
@@ -78,16 +80,9 @@ def states(count: int, first_seed: int, rng_seed: int, excluded_maps=frozenset()
     detour, shuffled, and the set of their maps. Maps in `excluded_maps` are skipped: different
     seeds can draw the same map, and held-out states must be on maps never trained on."""
     rng = np.random.default_rng(rng_seed)
-    wanted = {True: count // 2, False: count - count // 2}
-    drawn, seed = [], first_seed
-    while len(drawn) < count:
-        map_rows, seed = random_map(seed), seed + 1
-        if map_rows in excluded_maps:
-            continue
-        state = draw_state(map_rows, rng)
-        if wanted[state.detour] > 0:
-            wanted[state.detour] -= 1
-            drawn.append(state)
+    candidates = states_on_maps(itertools.count(first_seed), excluded_maps,
+                                lambda map_rows: draw_state(map_rows, rng))
+    drawn = balanced_draw(candidates, count, lambda state: state.detour)
     return [drawn[i] for i in rng.permutation(len(drawn))], {s.map_rows for s in drawn}
 
 
@@ -122,11 +117,10 @@ def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
 
 def rule_scores(heldout: list[State]) -> dict:
     """{rule: (shortest-path move where a detour is needed, elsewhere)} for REFERENCE_RULES."""
-    scores = {}
+    scores, detour = {}, np.array([s.detour for s in heldout])
     for name, preference in REFERENCE_RULES.items():
         hits = np.array([envs.rule_move(s.map_rows, s.position, preference) in s.optimal
                          for s in heldout])
-        detour = np.array([s.detour for s in heldout])
         scores[name] = (float(hits[detour].mean()), float(hits[~detour].mean()))
     return scores
 
@@ -163,12 +157,7 @@ def main(argv=None):
                         help="training states, half of them needing a detour")
     parser.add_argument("--eval-states", type=int, default=200,
                         help="held-out states, half of them needing a detour")
-    parser.add_argument("--eval-every", type=int, default=256, help="score after this many states")
-    parser.add_argument("--batch", type=int, default=16, help="training states per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
-    parser.add_argument("--out", type=Path, help="folder for yardstick.md and yardstick.json")
+    add_training_flags(parser, eval_every=256)
     args = parser.parse_args(argv)
 
     heldout, heldout_maps = states(args.eval_states, HELDOUT_MAP_SEED, HELDOUT_MAP_SEED)

@@ -18,6 +18,7 @@ one that keeps going everywhere scores 0 where straight on is deadly.
 """
 
 import argparse
+import itertools
 import shlex
 import sys
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ import baselines  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
-from yardstick import (observation_step, save_table, scored_pass,  # noqa: E402
-                       trainable_parameters)
+from yardstick import (add_training_flags, balanced_draw, observation_step,  # noqa: E402
+                       save_table, scored_pass, trainable_parameters)
 
 TRAIN_SEED, HELDOUT_SEED = 10_000, 20_000  # game seeds of training states / held-out states
 MAX_WALK = 3  # safe moves played from the start before the state is shown
@@ -74,19 +75,12 @@ def states(count: int, first_seed: int, rng_seed: int, balanced: bool) -> list[S
     """`count` states, one per game seed from `first_seed` on; balanced: half with straight on
     deadly, shuffled; else in the games' natural mix."""
     rng = np.random.default_rng(rng_seed)
-    wanted = {True: count // 2, False: count - count // 2}
-    drawn, seed = [], first_seed
-    while len(drawn) < count:
-        state, seed = draw_state(seed, rng), seed + 1
-        if state is None:
-            continue
-        if not balanced:
-            drawn.append(state)
-        elif wanted[state.straight_deadly] > 0:
-            wanted[state.straight_deadly] -= 1
-            drawn.append(state)
-    return [drawn[i] for i in rng.permutation(len(drawn))] if balanced else drawn
-
+    drawn = (draw_state(seed, rng) for seed in itertools.count(first_seed))
+    candidates = (state for state in drawn if state is not None)  # boxed-in states: no label
+    if not balanced:
+        return list(itertools.islice(candidates, count))
+    chosen = balanced_draw(candidates, count, lambda state: state.straight_deadly)
+    return [chosen[i] for i in rng.permutation(len(chosen))]
 
 def score(model, tokenizer, cfg, heldout: list[State]) -> dict:
     prompts = [msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg) for s in heldout]
@@ -129,12 +123,7 @@ def main(argv=None):
     parser.add_argument("--states", type=int, default=512,
                         help="training states, half with straight on deadly")
     parser.add_argument("--eval-states", type=int, default=200, help="held-out states, natural mix")
-    parser.add_argument("--eval-every", type=int, default=128, help="score after this many states")
-    parser.add_argument("--batch", type=int, default=16, help="training states per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
-    parser.add_argument("--out", type=Path, help="folder for yardstick.md and yardstick.json")
+    add_training_flags(parser, eval_every=128)
     args = parser.parse_args(argv)
 
     heldout = states(args.eval_states, HELDOUT_SEED, HELDOUT_SEED, balanced=False)
