@@ -80,8 +80,76 @@ class OptimalAgent:
             row, col = info["position"]
             move = envs.FROZEN_LAKE_ACTIONS[self.policies[key][row, col]]
         else:
-            move = envs.SNAKE_ACTIONS[envs.snake_bfs_action(info)]
+            move = envs.SNAKE_ACTIONS[snake_bfs_action(info)]
         return f"<action>{move}</action>"
+
+
+def frozen_lake_optimum_within(map_rows, slippery, max_steps):
+    """The best success probability any policy can reach within `max_steps` steps.
+
+    Finite-horizon value iteration: V_0 = 1 at the goal, else 0; V_k(s) = max_a sum_s' P V_{k-1}(s').
+    envs.frozen_lake_values has no step limit: on the classic slippery map it gives 14/17 = 0.824,
+    but within 100 steps no policy wins more than 0.744 (0.817 within 200).
+    """
+    T = envs.frozen_lake_transition_tensor(map_rows, slippery)
+    tiles = np.array([tile for row in map_rows for tile in row])
+    goal, hole = tiles == "G", tiles == "H"
+    values = goal.astype(float)
+    for _ in range(max_steps):
+        values = np.where(goal, 1.0, np.where(hole, 0.0, (T @ values).max(axis=1)))
+    return float(values["".join(map_rows).index("S")])
+
+
+def snake_bfs_action(info):
+    """BFS-greedy reference policy for both snakes, from `info`: the first move of a shortest
+    safe path to the nearest fruit worth eating (not into a pocket smaller than the snake);
+    if none is reachable, the safe move with the most free space ahead; if every move dies,
+    keep going."""
+    size, snake = info["size"], [tuple(cell) for cell in info["snake"]]
+    apples = {tuple(cell) for cell in info["apples"]}
+    good = {tuple(cell) for cell in info["bananas"]} | (apples if info["apple_reward"] > 0 else set())
+    bad = set() if info["apple_reward"] > 0 else apples
+    deadly = set(snake[:-1]) | {tuple(cell) for cell in info["opponent"] or []}  # the tail moves on
+
+    def passable(cell):
+        return envs.on_board(cell, size) and cell not in deadly and cell not in bad
+
+    direction = envs.SNAKE_ACTIONS.index(info["direction"])
+    head = snake[0]
+    survivable = [a for a in range(4) if a != (direction + 2) % 4
+                  and envs.on_board(envs.next_cell(head, a), size)
+                  and envs.next_cell(head, a) not in deadly]
+    clean = [a for a in survivable if envs.next_cell(head, a) not in bad]
+    # Do not chase fruit into a pocket too small to hold the snake.
+    roomy = [a for a in clean if free_space(envs.next_cell(head, a), passable) >= len(snake)]
+    queue = collections.deque((envs.next_cell(head, a), a) for a in roomy or clean)
+    seen = {cell for cell, _ in queue}
+    while queue:
+        cell, first_move = queue.popleft()
+        if cell in good:
+            return first_move
+        for a in range(4):
+            nxt = envs.next_cell(cell, a)
+            if passable(nxt) and nxt not in seen:
+                seen.add(nxt)
+                queue.append((nxt, first_move))
+    if not survivable:
+        return direction
+    # A poisoned apple (-1, game goes on) beats death (-1, game over), so it is the last resort.
+    return max(clean or survivable, key=lambda a: free_space(envs.next_cell(head, a), passable))
+
+
+def free_space(start, passable):
+    """How many cells a flood fill from `start` reaches."""
+    seen, stack = {start}, [start]
+    while stack:
+        cell = stack.pop()
+        for a in range(4):
+            nxt = envs.next_cell(cell, a)
+            if passable(nxt) and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return len(seen)
 
 
 # Snake's hand rules: what reading the board's "Next to your head" line is worth, rule by rule.
@@ -141,22 +209,6 @@ class SnakeRuleAgent:
         if "snake" not in info:
             raise ValueError("the Snake rules play Snake and Snake Poison Apple only")
         return f"<action>{envs.SNAKE_ACTIONS[self.move(info, self.rng)]}</action>"
-
-
-def frozen_lake_optimum_within(map_rows, slippery, max_steps):
-    """The best success probability any policy can reach within `max_steps` steps.
-
-    Finite-horizon value iteration: V_0 = 1 at the goal, else 0; V_k(s) = max_a sum_s' P V_{k-1}(s').
-    envs.frozen_lake_values has no step limit: on the classic slippery map it gives 14/17 = 0.824,
-    but within 100 steps no policy wins more than 0.744 (0.817 within 200).
-    """
-    T = envs.frozen_lake_transition_tensor(map_rows, slippery)
-    tiles = np.array([tile for row in map_rows for tile in row])
-    goal, hole = tiles == "G", tiles == "H"
-    values = goal.astype(float)
-    for _ in range(max_steps):
-        values = np.where(goal, 1.0, np.where(hole, 0.0, (T @ values).max(axis=1)))
-    return float(values["".join(map_rows).index("S")])
 
 
 # ---------------------------------------------------------------------------------------------

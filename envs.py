@@ -782,57 +782,6 @@ class SnakePoisonApple(Snake):
                    " Eating a banana gives +1 and makes the snake one cell longer.")
 
 
-def snake_bfs_action(info):
-    """BFS-greedy reference policy for both snakes, from `info`: the first move of a shortest
-    safe path to the nearest fruit worth eating (not into a pocket smaller than the snake);
-    if none is reachable, the safe move with the most free space ahead; if every move dies,
-    keep going."""
-    size, snake = info["size"], [tuple(cell) for cell in info["snake"]]
-    apples = {tuple(cell) for cell in info["apples"]}
-    good = {tuple(cell) for cell in info["bananas"]} | (apples if info["apple_reward"] > 0 else set())
-    bad = set() if info["apple_reward"] > 0 else apples
-    deadly = set(snake[:-1]) | {tuple(cell) for cell in info["opponent"] or []}  # the tail moves on
-
-    def passable(cell):
-        return on_board(cell, size) and cell not in deadly and cell not in bad
-
-    direction = SNAKE_ACTIONS.index(info["direction"])
-    head = snake[0]
-    survivable = [a for a in range(4) if a != (direction + 2) % 4
-                  and on_board(next_cell(head, a), size) and next_cell(head, a) not in deadly]
-    clean = [a for a in survivable if next_cell(head, a) not in bad]
-    # Do not chase fruit into a pocket too small to hold the snake.
-    roomy = [a for a in clean if free_space(next_cell(head, a), passable) >= len(snake)]
-    queue = deque((next_cell(head, a), a) for a in roomy or clean)
-    seen = {cell for cell, _ in queue}
-    while queue:
-        cell, first_move = queue.popleft()
-        if cell in good:
-            return first_move
-        for a in range(4):
-            nxt = next_cell(cell, a)
-            if passable(nxt) and nxt not in seen:
-                seen.add(nxt)
-                queue.append((nxt, first_move))
-    if not survivable:
-        return direction
-    # A poisoned apple (-1, game goes on) beats death (-1, game over), so it is the last resort.
-    return max(clean or survivable, key=lambda a: free_space(next_cell(head, a), passable))
-
-
-def free_space(start, passable):
-    """How many cells a flood fill from `start` reaches."""
-    seen, stack = {start}, [start]
-    while stack:
-        cell = stack.pop()
-        for a in range(4):
-            nxt = next_cell(cell, a)
-            if passable(nxt) and nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return len(seen)
-
-
 # ---- The factory ----
 
 GAMES = {"frozen_lake": FrozenLake, "snake": Snake, "snake_poison_apple": SnakePoisonApple}

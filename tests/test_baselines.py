@@ -113,6 +113,14 @@ def test_bfs_agent_avoids_poison_apples():
     assert result["mean_apples"] < 1 and result["mean_return"] > 10
 
 
+def test_bfs_avoids_poison_apples_and_eats_bananas():
+    env = envs.make("snake_poison_apple", apples=0, bananas=1)
+    env.reset(seed=0)
+    env.snake, env.direction = [(5, 5), (5, 4), (5, 3)], envs.SNAKE_ACTIONS.index("right")
+    env.apples, env.bananas = [(5, 6)], [(3, 5)]
+    assert env.actions[baselines.snake_bfs_action(env.info(False))] == "up"
+
+
 def test_wilson_interval_and_heldout_seeds():
     lo, hi = envs.wilson_interval(0, 10)
     assert lo == 0.0 and hi == pytest.approx(1.96**2 / (10 + 1.96**2))  # 0.2775

@@ -519,9 +519,3 @@ def test_snake_training_start_faces_the_wall_and_the_seed_chooses_it():
     assert len(set(starts)) > 20  # different seeds, different starts
     with pytest.raises(ValueError, match="start must be one of standard, facing_wall"):
         envs.make("snake", start="corner")
-
-
-def test_bfs_avoids_poison_apples_and_eats_bananas():
-    env = snake_env("snake_poison_apple", bananas=1)
-    env.apples, env.bananas = [(5, 6)], [(3, 5)]
-    assert env.actions[envs.snake_bfs_action(env.info(False))] == "up"
