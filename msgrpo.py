@@ -207,50 +207,34 @@ def end_token_ids(model, tokenizer) -> set[int]:
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     return ids | {tokenizer.eos_token_id}
 
-def sampled_length(ids: list[int], end_ids: set[int], tokenizer) -> int:
-    """Tokens really sampled: up to an end token or </action> (generate pads with the pad id)."""
+def reply_length(ids: list[int], end_ids: set[int], tokenizer) -> int | None:
+    """Tokens of a finished reply: up to an end token or </action>; None while it goes on."""
     for j, token in enumerate(ids):
         if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
             return j + 1
-    return len(ids)
+    return None
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
                      temperature: float, share_prefix: bool = True,
-                     with_logprobs: bool = True) -> tuple[list[list[int]], list[list[float]]]:
-    """One batched generate over all prompts; returns the sampled ids and their log-probs. Sampling
-    is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty, whatever
-    generation_config says), so the loss recomputes log-probs of the distribution the tokens came
-    from; T = 0 is greedy. share_prefix=False reads every prompt whole (the same numbers, slower).
-    with_logprobs=False asks for no scores (rows x tokens x vocabulary: gigabytes when thinking)."""
+                     weights=None) -> tuple[list[list[int]], list[list[float]]]:
+    """All prompts' replies in one batch (support.sample_replies); returns the sampled ids and their
+    log-probs. Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition
+    penalty), so the loss recomputes log-probs of the distribution the tokens came from; T = 0 is
+    greedy. share_prefix=False reads every prompt whole (the same numbers, slower)."""
     model.eval()
-    device = next(model.parameters()).device
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
-    with support.packed_4bit_weights(model):  # the CPU's faster layout: no gradient here
-        input_ids, attention_mask, cache = support.prompts_for_generate(
-            model, prompts, tokenizer.pad_token_id, share_prefix)
-        out = support.generate(  # model.generate; a diverged policy stops the run in one line
-            model, input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            cache=cache, max_new_tokens=max_new_tokens, repetition_penalty=1.0,
-            **(sampling if temperature > 0 else dict(do_sample=False)),
-            stopping_criteria=[support.stop_string_criterion(tokenizer, ACTION_END)],
-            pad_token_id=tokenizer.pad_token_id,
-            output_scores=with_logprobs, return_dict_in_generate=True)
-    new_tokens = out.sequences[:, input_ids.shape[1]:]
-    steps = list(out.scores or [])  # processed logits, already divided by T; one step at a time,
-    del out  # so no step's full-vocabulary tensor outlives its chosen tokens' log-probs
-    logprobs = torch.zeros(new_tokens.shape)
-    for t in range(len(steps)):
-        step = steps[t].float().log_softmax(-1)
-        logprobs[:, t] = step.gather(-1, new_tokens[:, t, None]).squeeze(-1).cpu()
-        steps[t] = None
-    new_tokens = new_tokens.cpu()
     end_ids = end_token_ids(model, tokenizer)
+    finished = lambda ids: reply_length(ids, end_ids, tokenizer) is not None  # noqa: E731
+    with (weights or support.dequantized_4bit_weights)(model):
+        new_tokens, logprobs = support.sample_replies(
+            model, prompts, tokenizer.pad_token_id, max_new_tokens, temperature, finished,
+            share_prefix)
     responses, response_logprobs = [], []
     for row in range(len(prompts)):
-        n = sampled_length(new_tokens[row].tolist(), end_ids, tokenizer)
-        responses.append(new_tokens[row, :n].tolist())
-        response_logprobs.append(logprobs[row, :n].tolist() if with_logprobs else [])
+        ids = new_tokens[row].tolist()
+        n = reply_length(ids, end_ids, tokenizer) or len(ids)
+        responses.append(ids[:n])
+        response_logprobs.append(logprobs[row, :n].tolist())
     return responses, response_logprobs
 
 @dataclass

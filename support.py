@@ -189,6 +189,84 @@ def read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, 
                  position_ids=position_ids[:, split:].to(device), cache=cache, use_cache=True,
                  logits_to_keep=keep).logits
 
+# 2. Sampling: replies one token at a time, each prompt read once ---------------------------------
+# A reply is a few tokens, so sampling is the prompts' forward (a matrix product over every
+# distinct prompt's tokens) and then one forward per reply token over all rows (KV caching: each
+# new token attends to the keys and values already computed, so it is the only one run).
+
+def prompt_forward(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True):
+    """Each distinct prompt read once, the prefix they all share once (prefix_cache): returns the
+    next-token logits [U, V], the cache of keys and values, the attention mask [U, L] (left
+    padded) and rows [N], the distinct prompt of each prompt given. share_prefix=False reads every
+    prompt whole (the same numbers, slower)."""
+    device = next(model.parameters()).device
+    distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
+    shared = shared_prefix_length(distinct) if share_prefix else 0
+    suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
+    prefix_ids = torch.tensor(distinct[0][:shared], dtype=torch.long)
+    cache = prefix_cache(model, prefix_ids, len(distinct)) if shared else None
+    attention_mask = torch.cat([torch.ones(len(distinct), shared, dtype=torch.long), suffix_mask], 1)
+    position_ids = left_padded_positions(attention_mask)[:, shared:]
+    out = model(input_ids=suffix_ids.to(device), attention_mask=attention_mask.to(device),
+                position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1], out.cache, attention_mask, rows
+
+def preallocated_cache(model, cache, rows: torch.Tensor, new_tokens: int):
+    """The prompts' keys and values copied once to every row that holds them (rows), into tensors
+    with room for new_tokens more: appending then writes in place (transformers' StaticCache),
+    where a growing cache would copy every row's keys and values again at every token."""
+    from transformers import StaticCache
+    length = cache.get_seq_length()
+    static = StaticCache(config=model.config, max_cache_len=length + new_tokens)
+    rows = rows.to(next(model.parameters()).device)
+    for layer, prompt_layer in zip(static.layers, cache.layers):
+        layer.update(prompt_layer.keys[rows], prompt_layer.values[rows])
+    return static
+
+def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / T) (T = 0: the most likely), and its log-prob.
+    Inverse transform sampling: the first token whose cumulative probability reaches a uniform
+    draw u ~ U(0, 1), one draw per row (torch.multinomial draws one exponential per vocabulary
+    entry instead: ~49k random numbers per row)."""
+    logits = logits.float()
+    if temperature <= 0:
+        logprobs = logits.log_softmax(-1)
+        token = logits.argmax(-1, keepdim=True)
+    else:
+        logprobs = (logits / temperature).log_softmax(-1)
+        cumulative = logprobs.exp().cumsum(-1)
+        if not torch.isfinite(cumulative[:, -1]).all():
+            raise FloatingPointError("the policy's next-token probabilities are not finite")
+        draw = torch.rand(len(logits), 1, device=logits.device) * cumulative[:, -1:]
+        token = torch.searchsorted(cumulative, draw).clamp(max=logits.shape[-1] - 1)
+    return token, logprobs.gather(-1, token)
+
+@torch.no_grad()
+def sample_replies(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
+                   temperature: float, finished, share_prefix: bool = True):
+    """Up to max_new_tokens tokens after each prompt, sampled at temperature T (sample_token),
+    stopping once finished(row's tokens so far) holds for every row. Returns the tokens and their
+    log-probs, [N, T] each. The first token comes from the prompts' forward, so rows that share a
+    prompt (a group's episodes at their start) share that forward too."""
+    device = next(model.parameters()).device
+    logits, cache, attention_mask, rows = prompt_forward(model, prompts, pad_id, share_prefix)
+    logits, attention_mask = logits[rows.to(logits.device)], attention_mask[rows].to(device)
+    cache = preallocated_cache(model, cache, rows, max_new_tokens - 1)
+    position_ids = (attention_mask.sum(1, keepdim=True) - 1)
+    tokens, logprobs = [], []
+    for step in range(max_new_tokens):
+        token, logprob = sample_token(logits, temperature)
+        tokens.append(token)
+        logprobs.append(logprob)
+        so_far = torch.cat(tokens, 1).tolist()
+        if step == max_new_tokens - 1 or all(finished(row) for row in so_far):
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+        position_ids = position_ids + 1
+        logits = model(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return torch.cat(tokens, 1).cpu(), torch.cat(logprobs, 1).cpu()
+
 # 2. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
 def keep_4bit_weights_differentiable(model) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs
@@ -265,6 +343,38 @@ def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
         y = OneDNNFrozenLinear.apply(x, weight, layer.dequantized_weight_t)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
+
+@contextmanager
+def merged_lora_weights(model):
+    """Sample with each LoRA layer's weight merged, W' = W + s B A, formed once from the kept
+    dequantized base (dequantized_4bit_weights): a token then costs one matrix product per layer
+    instead of three, x W'^T against x W^T + s (x A^T) B^T, the same numbers up to float rounding.
+    No gradient reaches A or B through W', so this is for sampling only; entered again inside
+    itself it does nothing. CPU 4-bit only; elsewhere peft's layers run as usual."""
+    from peft.tuners.lora import LoraLayer
+    base_layers = set(cpu_4bit_layers(model))
+    layers = [m for m in model.modules()
+              if isinstance(m, LoraLayer) and m.get_base_layer() in base_layers]
+    if not layers or any(hasattr(layer, "merged_weight") for layer in layers):
+        yield
+        return
+    with dequantized_4bit_weights(model), torch.no_grad():
+        for layer in layers:
+            (name,) = layer.active_adapters
+            delta = layer.lora_B[name].weight @ layer.lora_A[name].weight * layer.scaling[name]
+            layer.merged_weight = layer.get_base_layer().dequantized_weight + delta
+            layer.forward = functools.partial(linear_with_merged_weight, layer)  # shadows peft's
+        try:
+            yield
+        finally:
+            for layer in layers:
+                del layer.forward, layer.merged_weight
+
+def linear_with_merged_weight(layer, x: torch.Tensor) -> torch.Tensor:
+    weight = layer.merged_weight
+    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape)):
+        return onednn_linear(x, weight)
+    return torch.nn.functional.linear(x, weight.to(x.dtype))
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T through oneDNN's kernel for nn.Linear (the one torch's CPU inductor backend calls)."""
