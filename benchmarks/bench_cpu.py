@@ -6,13 +6,17 @@
 The steps are real MS-GRPO rollouts (B groups x G episodes in lockstep) of a trained policy
 (--adapter; the committed Frozen Lake adapter by default), whose groups repeat themselves as a
 trained policy's do. Two ways to run them:
-    before   the shared prefix of every prompt read once (prefix caching), identical prompts and
-             steps read once, each 4-bit base weight dequantized once for training; each row's
-             own tokens read whole
-    after    the same, and in training the prefix tree (support.read_heads_once: a prompt that
-             several steps share is read once, their replies after it) and the base weights'
-             matmuls through oneDNN where that kernel is faster (support.onednn_is_faster). The
-             same numbers, within float rounding (tests/test_msgrpo.py checks 1e-4)
+    before   rollouts sampled by transformers' generate (generate_sampling.py) on bitsandbytes'
+             packed CPU 4-bit layout; in both, the shared prefix of every prompt read once (prefix
+             caching) and identical prompts and steps read once; in training each 4-bit base
+             weight dequantized once, each row's own tokens read whole
+    after    rollouts by support.sample_replies: keys and values kept in place rather than copied
+             as they grow, one uniform draw per token rather than one per vocabulary entry, on the
+             dequantized weights the update trains (so no longer rounded differently from them);
+             in training the prefix tree (support.read_heads_once: a prompt that several steps
+             share is read once, their replies after it); in both the base weights' matmuls
+             through oneDNN where that kernel is faster (support.onednn_is_faster). The same
+             numbers as the plain path, within float rounding (tests/test_msgrpo.py checks 1e-4)
 (a) a rollout step: seconds per env step of the rollouts;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
     micro-batches, seconds per step; and the peak resident memory while it runs (sampled from
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import generate_sampling  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
 
@@ -78,12 +83,14 @@ def median_seconds_per_item(function, repeats: int) -> float:
 
 @contextlib.contextmanager
 def levers(on: bool):
-    """The prefix tree and the oneDNN kernel on (as the trainer runs) or off (the code before)."""
+    """The sampling loop, the prefix tree and the oneDNN kernel on (as the trainer runs) or off
+    (the code before)."""
     if on:
         yield
         return
     with mock.patch.object(support, "READ_HEADS_ONCE", False), \
-            mock.patch.object(support, "onednn_is_faster", lambda shape: False):
+            mock.patch.object(support, "onednn_is_faster", lambda shape: False), \
+            mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses):
         yield
 
 

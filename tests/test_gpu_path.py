@@ -65,23 +65,14 @@ def test_the_evaluation_batch_is_a_setting_sized_per_device(monkeypatch):
     assert seen == {"batch_size": 7, "episodes": 20}
 
 
-def test_evaluation_asks_for_no_scores_and_rollouts_get_their_log_probs():
+def test_evaluation_replies_and_rollouts_get_their_log_probs():
     cfg = tiny_config()
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
-    calls = []
-    generate = model.generate
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["output_scores"])
-        return generate(*args, **kwargs)
-
-    model.generate = spy
     agent = msgrpo.LAPAgent(model, tokenizer, cfg, greedy=False)
     assert len(agent.act_batch(["You are at (row 0, col 0).", "You are at (row 1, col 2)."], [{}, {}])) == 2
     prompts = [msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)]
     responses, logprobs = msgrpo.sample_responses(model, tokenizer, prompts, 4, 1.0)
-    assert calls == [False, True]
     assert len(logprobs[0]) == len(responses[0]) > 0 and all(lp <= 0 for lp in logprobs[0])
 
 
