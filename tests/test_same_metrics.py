@@ -6,7 +6,7 @@ renaming, compacting, speed-ups that keep the numbers) must leave them as they a
 model never names a move, so every return would be equal and no update would run; here its logits
 are nudged toward the four move words, so about half its replies are moves, returns differ within
 groups, and both runs train (episodes_trained > 0, loss != 0). Re-record only for a change that is
-meant to alter training: python tests/test_same_metrics.py --record
+meant to alter training: PYTHONPATH=. python tests/test_same_metrics.py --record
 """
 
 import contextlib
