@@ -69,7 +69,7 @@ class Config:
     sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
     epochs: int = 1  # passes over the sampled steps
     minibatch: int = -1  # steps per optimizer step; 0 = all (ratio exactly 1); -1 = 0, Snake 16
-    micro_batch: int = 0  # steps per forward/backward, the update's memory; 0 = 16, 4 thinking
+    micro_batch: int = 0  # distinct steps per forward/backward (its memory); 0 = 16, 4 thinking
     grad_clip: float = 1.0  # max gradient norm
     beta: float = -1.0  # KL weight to the reference (adapter off); -1 = the game's: 0, Snake 0.1
     eps_clip: float = 0.2  # ratio clip
@@ -406,13 +406,21 @@ def response_logprobs(model, batch: StepBatch, temperature: float):
     return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
 
 # 9. Training loop: rollouts, then the update (msgrpo_update: sections 5-8), then a checkpoint ----
-def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator) -> list[list[list]]:
-    """Shuffled minibatches of cfg.minibatch steps (an optimizer step each), cut in micro-batches.
-    Inside a minibatch the steps are sorted, so identical ones share a micro-batch and are read
-    once: a minibatch's gradient is a sum over its steps, whatever their order."""
+def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator,
+                     read_once: bool = True) -> list[list[list]]:
+    """Shuffled minibatches of cfg.minibatch steps (an optimizer step each), cut in micro-batches
+    of at most cfg.micro_batch rows. Inside a minibatch the steps are sorted, so identical ones sit
+    side by side; with read_once they are one row (collate_steps), so a micro-batch holds
+    cfg.micro_batch distinct steps however often each repeats: fewer forwards, the same memory. A
+    minibatch's gradient is a sum over its steps, whatever their order and grouping."""
     order = [steps[i] for i in rng.permutation(len(steps))]
-    return [list(support.chunks(sorted(mb, key=lambda step: (step[0], step[1])), cfg.micro_batch))
-            for mb in support.chunks(order, cfg.minibatch)]
+    minibatches = [sorted(mb, key=lambda step: (step[0], step[1]))
+                   for mb in support.chunks(order, cfg.minibatch)]
+    if not read_once:
+        return [list(support.chunks(mb, cfg.micro_batch)) for mb in minibatches]
+    return [support.distinct_chunks(mb, cfg.micro_batch, lambda step: (tuple(step[0]),
+                                                                        tuple(step[1])))
+            for mb in minibatches]
 
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                   rng: np.random.Generator) -> dict:
@@ -424,7 +432,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
     # handed over as keys and values there: then every row is read whole.
     read_once = not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once) for micro in mb]
-               for mb in plan_minibatches(steps, cfg, rng)]
+               for mb in plan_minibatches(steps, cfg, rng, read_once)]
     old_logprobs = [[None] * len(mb) for mb in batches]  # None: the ratio is exactly 1
     if cfg.epochs > 1 or len(batches) > 1:
         with torch.no_grad(), support.dequantized_4bit_weights(model):

@@ -51,6 +51,19 @@ def chunks(items: list, size: int):
     for start in range(0, len(items), size):
         yield items[start:start + size]
 
+def distinct_chunks(items: list, size: int, key) -> list[list]:
+    """Consecutive slices holding at most `size` distinct key(item)s each (all of them in one when
+    size is 0). Items with equal keys are expected side by side, as after sorting by key."""
+    slices, keys = [], set()
+    for item in items:
+        item_key = key(item)
+        if not slices or (item_key not in keys and 0 < size == len(keys)):
+            slices.append([])
+            keys = set()
+        slices[-1].append(item)
+        keys.add(item_key)
+    return slices
+
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding: the last real token of every row sits at the last position. The mask comes from
     the lengths, never from the pad id: for SmolLM2 and Qwen it is also the end-of-turn token."""
@@ -267,7 +280,7 @@ def dequantized_4bit_weights(model):
 def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
     weight = layer.dequantized_weight.to(x.dtype)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
-    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape)):
+    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape), rows_bucket(x)):
         if not hasattr(layer, "dequantized_weight_t"):
             layer.dequantized_weight_t = weight.t().contiguous()
         y = OneDNNFrozenLinear.apply(x, weight, layer.dequantized_weight_t)
@@ -294,25 +307,31 @@ class OneDNNFrozenLinear(torch.autograd.Function):
         (weight_t,) = ctx.saved_tensors
         return onednn_linear(grad_y, weight_t), None, None
 
-LINEAR_KERNEL_TIMING_ROWS = 256  # rows of the timed product: an update micro-batch's scale
+def rows_bucket(x: torch.Tensor) -> int:
+    """The rows of x (all but its last dimension) rounded up to a power of two, at most 256: the
+    faster kernel differs between a decoding step's few rows and an update's hundreds."""
+    rows = max(1, x.numel() // x.shape[-1])
+    return min(256, 1 << (rows - 1).bit_length())
 
 @functools.cache
-def onednn_is_faster(weight_shape: tuple[int, int]) -> bool:
-    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape on this
-    machine? Timed once per shape, forward and backward products, the best of 3 each: which one
-    wins depends on the CPU, so it is measured rather than assumed."""
+def onednn_is_faster(weight_shape: tuple[int, int], rows: int = 256) -> bool:
+    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and this
+    many rows on this machine? Timed once per shape and row count, forward and backward products,
+    the best of 5 each: which one wins depends on the CPU and on the rows, so it is measured rather
+    than assumed."""
     if not torch.backends.mkldnn.is_available():
         return False
     out_features, in_features = weight_shape
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(weight_shape, generator=generator)
     weight_t = weight.t().contiguous()
-    x = torch.randn(LINEAR_KERNEL_TIMING_ROWS, in_features, generator=generator)
-    grad_y = torch.randn(LINEAR_KERNEL_TIMING_ROWS, out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    grad_y = torch.randn(rows, out_features, generator=generator)
 
     def best_seconds(forward_and_backward):
+        forward_and_backward()  # first call: oneDNN builds its kernel for this shape
         times = []
-        for _ in range(3):
+        for _ in range(5):
             start = time.perf_counter()
             forward_and_backward()
             times.append(time.perf_counter() - start)
@@ -978,7 +997,8 @@ NUMERIC_FLAGS = [
     ("minibatch", int, "steps per optimizer step, 0: all (default 0; Snake 16)",
      lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
     ("micro-batch", int,
-     "steps per forward/backward (0: 16, 4 with --think): lower it if memory runs out",
+     "distinct steps per forward/backward (0: 16, 4 with --think): lower it if memory runs "
+     "out",
      lambda v: v >= 1, "at least 1"),
     ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
                         "(--late-lr, --late-temperature); 0: the early phase throughout "

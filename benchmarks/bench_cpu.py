@@ -89,7 +89,7 @@ def levers(on: bool):
         yield
         return
     with mock.patch.object(support, "READ_HEADS_ONCE", False), \
-            mock.patch.object(support, "onednn_is_faster", lambda shape: False), \
+            mock.patch.object(support, "onednn_is_faster", lambda shape, rows=256: False), \
             mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses):
         yield
 

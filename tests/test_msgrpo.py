@@ -370,7 +370,7 @@ def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
     model.train()
     results = {}
     for onednn in (False, True):
-        with mock.patch.object(support, "onednn_is_faster", lambda shape: onednn), \
+        with mock.patch.object(support, "onednn_is_faster", lambda shape, rows=256: onednn), \
                 mock.patch.object(support.OneDNNFrozenLinear, "apply",
                                   wraps=support.OneDNNFrozenLinear.apply) as calls, \
                 support.dequantized_4bit_weights(model):
@@ -393,16 +393,36 @@ def test_onednn_linear_backward_is_the_transposed_product():
     assert torch.allclose(x.grad, torch.tensor([[5.0, 7.0, 9.0]]))
 
 
+def test_the_kernel_is_chosen_per_power_of_two_of_rows_up_to_256():
+    """A decoding step's rows and an update's are timed apart: [batch, tokens, features] counts
+    batch x tokens rows, rounded up to a power of two."""
+    assert [support.rows_bucket(torch.zeros(*shape)) for shape in
+            [(1, 1, 7), (2, 7), (3, 5, 7), (16, 7), (17, 7), (300, 7), (64, 71, 7)]] == [1, 2, 16, 16, 32, 256, 256]
+
+
 def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
     steps = [([1, 2, k % 3], [7], float(k)) for k in range(10)]
     cfg = msgrpo.Config(minibatch=5, micro_batch=2)
     plan = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
-    assert [len(mb) for mb in plan] == [3, 3]  # two optimizer steps of 5 steps, micro-batches 2 + 2 + 1
+    assert [len(mb) for mb in plan] == [2, 2]  # two optimizer steps of 5 steps, 2 + 1 distinct prompts
     flat = [step for mb in plan for micro in mb for step in micro]
     assert sorted(a for _, _, a in flat) == [float(k) for k in range(10)]
     for mb in plan:
         prompts = [step[0] for micro in mb for step in micro]
         assert prompts == sorted(prompts)  # identical prompts adjacent, so a micro-batch reads them once
+
+
+def test_a_micro_batch_holds_micro_batch_distinct_steps_however_often_each_repeats():
+    """Identical steps are one row of the forward, so they count once against --micro-batch; with
+    every row read whole (gradient checkpointing) each step is a row and counts."""
+    steps = [([1, 2, k % 3], [7], 1.0) for k in range(9)] + [([1, 2, 3], [8], 1.0)]
+    cfg = msgrpo.Config(minibatch=0, micro_batch=2)
+    (plan,) = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
+    assert [len(micro) for micro in plan] == [6, 4]  # prompts ending 0 and 1; then 2 and the 8 reply
+    assert [len({(tuple(p), tuple(r)) for p, r, _ in micro}) for micro in plan] == [2, 2]
+    (plan,) = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0), read_once=False)
+    assert [len(micro) for micro in plan] == [2, 2, 2, 2, 2]
+    assert support.distinct_chunks([1, 1, 2, 3, 3, 3], 0, key=lambda x: x) == [[1, 1, 2, 3, 3, 3]]
 
 
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
