@@ -168,7 +168,8 @@ def prompt_forward(model, prompts: list[list[int]], pad_id: int, share_prefix: b
     suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
     prefix_ids = torch.tensor(distinct[0][:shared], dtype=torch.long)
     cache = prefix_cache(model, prefix_ids, len(distinct)) if shared else None
-    attention_mask = torch.cat([torch.ones(len(distinct), shared, dtype=torch.long), suffix_mask], 1)
+    ones = torch.ones(len(distinct), shared, dtype=torch.long)
+    attention_mask = torch.cat([ones, suffix_mask], 1)
     position_ids = left_padded_positions(attention_mask)[:, shared:]
     out = model(input_ids=suffix_ids.to(device), attention_mask=attention_mask.to(device),
                 position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)

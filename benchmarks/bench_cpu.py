@@ -7,15 +7,18 @@ The steps are real MS-GRPO rollouts (B groups x G episodes in lockstep) of a tra
 (--adapter; the committed Frozen Lake adapter by default), whose groups repeat themselves as a
 trained policy's do. Two ways to run them:
     before   rollouts sampled by transformers' generate (generate_sampling.py) on bitsandbytes'
-             packed CPU 4-bit layout; in both, the shared prefix of every prompt read once (prefix
-             caching) and identical prompts and steps read once; in training each 4-bit base
-             weight dequantized once, each row's own tokens read whole
+             packed CPU 4-bit layout; training in micro-batches of --micro-batch steps, the
+             identical steps inside one read once, each 4-bit base weight dequantized once, each
+             row's tokens after the shared prefix read whole; in both, the prefix that every
+             prompt shares read once (prefix caching)
     after    rollouts by support.sample_replies: keys and values kept in place rather than copied
              as they grow, one uniform draw per token rather than one per vocabulary entry, on the
              dequantized weights the update trains (so no longer rounded differently from them);
-             in training the prefix tree (support.read_heads_once: a prompt that several steps
-             share is read once, their replies after it); in both the base weights' matmuls
-             through oneDNN where that kernel is faster (support.onednn_is_faster). The same
+             training in micro-batches of --micro-batch distinct steps (identical steps are one
+             row however often they repeat: fewer forwards) and the prefix tree
+             (support.read_heads_once: a prompt that several steps share is read once, their
+             replies after it); in both, the base weights' matmuls through oneDNN where that
+             kernel times faster for the shape and row count (support.onednn_is_faster). The same
              numbers as the plain path, within float rounding (tests/test_msgrpo.py checks 1e-4)
 (a) a rollout step: seconds per env step of the rollouts;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
@@ -83,15 +86,21 @@ def median_seconds_per_item(function, repeats: int) -> float:
 
 @contextlib.contextmanager
 def levers(on: bool):
-    """The sampling loop, the prefix tree and the oneDNN kernel on (as the trainer runs) or off
-    (the code before)."""
+    """The sampling loop, micro-batches of distinct steps, the prefix tree and the oneDNN kernel
+    on (as the trainer runs) or off (the code before)."""
     if on:
         yield
         return
     with mock.patch.object(support, "READ_HEADS_ONCE", False), \
             mock.patch.object(support, "onednn_is_faster", lambda shape, rows=256: False), \
-            mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses):
+            mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses), \
+            mock.patch.object(support, "distinct_chunks", steps_chunks):
         yield
+
+
+def steps_chunks(items: list, size: int, key) -> list[list]:
+    """Micro-batches of `size` steps, identical ones counted each time (the code before)."""
+    return list(support.chunks(items, size))
 
 
 def env_steps_played(model, tokenizer, cfg, seeds) -> int:
@@ -165,13 +174,17 @@ def main(argv=None):
                              if speed_up and name != "before" else "")
                           for name, values in results.items())
 
+    micro_rows = [len({(tuple(p), tuple(r)) for p, r, _ in micro})
+                  for mb in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
+                  for micro in mb]
     policy = adapter.resolve().relative_to(ROOT) if adapter else "a new adapter"
     distinct, tokens = len(set(map(tuple, prompts))), np.mean([len(p) for p in prompts])
     lines = [f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
              f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, "
              f"step limit {args.max_steps}: "
              f"{env_steps} env steps, {distinct} distinct prompts of {tokens:.0f} tokens, "
-             f"{support.shared_prefix_length(prompts)} shared by all.", "",
+             f"{support.shared_prefix_length(prompts)} shared by all; the update's micro-batches "
+             f"hold {', '.join(map(str, micro_rows))} distinct steps (at most {cfg.micro_batch}).", "",
              "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),
              f"| (a) rollout step (s per env step) | {cells('rollout')} |",
              f"| (b) trained step (s per step) | {cells('trained')} |",
