@@ -1105,4 +1105,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    support.run_under_jemalloc(sys.argv)
     main()

@@ -630,4 +630,5 @@ def main(argv: list[str] | None = None) -> Path:
     return train(cfg, resume=resume)
 
 if __name__ == "__main__":
+    support.run_under_jemalloc(sys.argv)
     main(sys.argv[1:])

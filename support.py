@@ -1214,3 +1214,17 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
     elif not overwrite and any((run_dir / name).exists() for name in RUN_FILES):
         fail(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
              f"or replace it with --overwrite")
+
+def run_under_jemalloc(argv: list[str]) -> None:
+    """Start this command again with jemalloc as the memory allocator, where the system has it
+    (Linux: the libjemalloc2 package) and it is not loaded yet; otherwise return and run as is.
+    glibc's malloc keeps the memory of freed activations in its heap and hands fresh tensors pages
+    it must fault in again; jemalloc reuses and returns them (the allocator PyTorch's CPU tuning
+    guides recommend). An update of 16 distinct steps peaks at 3.9 GB under it, 5.5 GB under glibc,
+    and runs 1.1x faster: results/NOTES.md. The numbers computed are the same."""
+    import ctypes.util
+    library = ctypes.util.find_library("jemalloc")
+    if not library or sys.platform != "linux" or "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        return
+    preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))
+    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "LD_PRELOAD": preload})

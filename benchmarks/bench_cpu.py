@@ -23,14 +23,20 @@ trained policy's do. Two ways to run them:
 (a) a rollout step: seconds per env step of the rollouts;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
     micro-batches, seconds per step; and the peak resident memory while it runs (sampled from
-    /proc every 5 ms; the process's model copies included).
+    /proc every 5 ms; the process's model copies included);
+(c) the peak resident memory of the update on a first iteration's varied steps (the base model's
+    at T = 1), whose micro-batches hold --micro-batch distinct steps each: the update's true peak.
+The memory allocator is a process's, so it cannot be switched side by side: the command runs
+under jemalloc as msgrpo.py does where the system has it (results/NOTES.md compares the two).
 Each is timed --repeats times (the median is reported). Prints a Markdown table with the
 speed-up of "after"; --out writes it to a file too.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import os
 import statistics
 import sys
 import threading
@@ -48,6 +54,11 @@ import support  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER = ROOT / "results" / "frozen_lake_cpu" / "adapter"
+
+
+def allocator() -> str:
+    """jemalloc where this process runs under it (support.run_under_jemalloc), else libc's."""
+    return "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "libc's malloc"
 
 
 def resident_mb() -> float:
@@ -103,6 +114,17 @@ def steps_chunks(items: list, size: int, key) -> list[list]:
     return list(support.chunks(items, size))
 
 
+def first_iteration_steps(model, tokenizer, cfg, seeds) -> list:
+    """Steps as varied as a first iteration's: the base model (the adapter switched off) plays at
+    T = 1, so every micro-batch holds --micro-batch distinct steps, the update's memory peak."""
+    torch.manual_seed(0)
+    with model.disable_adapter():
+        episodes = msgrpo.play_groups(model, tokenizer, dataclasses.replace(cfg, temperature=1.0),
+                                      seeds)
+    advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
+    return msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
+
+
 def env_steps_played(model, tokenizer, cfg, seeds) -> int:
     torch.manual_seed(0)
     return sum(len(ep.rewards) for ep in msgrpo.play_groups(model, tokenizer, cfg, seeds))
@@ -152,6 +174,7 @@ def main(argv=None):
     env_steps = sum(len(ep.rewards) for ep in episodes)
     advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
     steps = msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
+    varied = first_iteration_steps(model, tokenizer, cfg, seeds)
 
     def measure(on):
         peak = []
@@ -161,7 +184,10 @@ def main(argv=None):
             with peak_resident_mb(peak):
                 trained = median_seconds_per_item(
                     functools.partial(trained_steps, model, tokenizer, cfg, steps), args.repeats)
-        return {"rollout": rollout, "trained": trained, "peak_mb": peak[0]}
+            with peak_resident_mb(peak):
+                trained_steps(model, tokenizer, cfg, varied)
+        return {"rollout": rollout, "trained": trained, "peak_mb": peak[0],
+                "first_iteration_peak_mb": peak[1]}
 
     results = {"before": measure(on=False), "after": measure(on=True)}
 
@@ -184,11 +210,15 @@ def main(argv=None):
              f"step limit {args.max_steps}: "
              f"{env_steps} env steps, {distinct} distinct prompts of {tokens:.0f} tokens, "
              f"{support.shared_prefix_length(prompts)} shared by all; the update's micro-batches "
-             f"hold {', '.join(map(str, micro_rows))} distinct steps (at most {cfg.micro_batch}).", "",
+             f"hold {', '.join(map(str, micro_rows))} distinct steps (at most {cfg.micro_batch}); "
+             f"(c): {len(varied)} steps of the base model at T = 1. Memory allocator: "
+             f"{allocator()}.", "",
              "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),
              f"| (a) rollout step (s per env step) | {cells('rollout')} |",
              f"| (b) trained step (s per step) | {cells('trained')} |",
-             f"| (b) peak memory while training (MB) | {cells('peak_mb', 0, speed_up=False)} |"]
+             f"| (b) peak memory while training (MB) | {cells('peak_mb', 0, speed_up=False)} |",
+             f"| (c) peak memory, a first iteration's varied steps (MB) | "
+             f"{cells('first_iteration_peak_mb', 0, speed_up=False)} |"]
     table = "\n".join(lines)
     print(table)
     if args.out:
@@ -197,4 +227,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    support.run_under_jemalloc(sys.argv)  # as msgrpo.py runs
     main()

@@ -286,7 +286,8 @@ def test_bench_cpu_times_before_and_after_side_by_side(tmp_path):
                               "--repeats", "1", "--out", str(out)])
     table = out.read_text()
     assert "| measure | before | after |" in table
-    for measure in ["(a) rollout step", "(b) trained step", "(b) peak memory while training"]:
+    for measure in ["(a) rollout step", "(b) trained step", "(b) peak memory while training",
+                    "(c) peak memory, a first iteration's varied steps"]:
         assert f"| {measure}" in table, measure
     assert table.count("x**)") == 2  # after against before, rollout and trained steps
     assert all(r["rollout"] > 0 and r["trained"] > 0 and r["peak_mb"] > 100 for r in results.values())

@@ -891,3 +891,21 @@ def test_sampled_evaluation_plays_at_temperature_one_whatever_the_rollouts_explo
     cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", temperature=2.0, run_dir="unused"))
     result = msgrpo.evaluate_greedy_and_sampled(None, None, cfg)
     assert played == [(True, 2.0), (False, 1.0)] and "sampled" in result
+
+
+def test_the_command_starts_again_under_jemalloc_once_where_the_system_has_it(monkeypatch):
+    started = []
+    monkeypatch.setattr(support.os, "execve", lambda *args: started.append(args))
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: f"lib{name}.so.2")
+    monkeypatch.setattr(support.sys, "platform", "linux")
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    support.run_under_jemalloc(["msgrpo.py", "--env", "snake"])
+    ((executable, argv, env),) = started
+    assert argv == [executable, "msgrpo.py", "--env", "snake"]
+    assert env["LD_PRELOAD"] == "libjemalloc.so.2 libother.so"
+    monkeypatch.setenv("LD_PRELOAD", env["LD_PRELOAD"])  # the started process: runs as is
+    support.run_under_jemalloc(["msgrpo.py"])
+    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)  # no jemalloc: runs as is
+    monkeypatch.delenv("LD_PRELOAD")
+    support.run_under_jemalloc(["msgrpo.py"])
+    assert len(started) == 1
