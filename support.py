@@ -317,7 +317,7 @@ def rows_bucket(x: torch.Tensor) -> int:
 @functools.cache
 def onednn_is_faster(weight_shape: tuple[int, int], rows: int = 256) -> bool:
     """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and this
-    many rows on this machine? Timed once per shape and row count, forward and backward products,
+    many rows on the CPU at hand? Timed once per shape and row count, forward and backward products,
     the best of 5 each: which one wins depends on the CPU and on the rows, so it is measured rather
     than assumed."""
     if not torch.backends.mkldnn.is_available():
