@@ -9,7 +9,7 @@ Read it top to bottom, in the order data flows:
     1. config          Config, defaults per device
     2. LAP prompt      observation text -> chat prompt; response text -> game action
     3. model           NF4 4-bit base + LoRA adapter (peft)
-    4. rollouts        B groups x G episodes in lockstep, one batched generate per step
+    4. rollouts        B groups x G episodes in lockstep, one batched sampling call per step
     5. returns         R_i = sum_t r_{i,t}
     6. advantages      A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
     7. AAW sampling    draw K episodes without replacement, P(i) proportional to |A_i|

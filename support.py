@@ -12,7 +12,8 @@
     6. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
     7. map-reading probe  does P(move) drop where the move walks into a hole?
     8. curves and tables  curves.png, the evaluation table, the line printed per iteration
-    9. command line       the flags, their ranges, and the checks made before any model loads
+    9. command line       the flags, their ranges, the checks made before any model loads, and
+                          the memory allocator a command runs under
 
 Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
 would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
@@ -76,7 +77,8 @@ def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
     return ids, mask
 
 def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """generate()'s position ids for left-padded rows: real tokens counted from 0, pads at 0."""
+    """Position ids for left-padded rows: real tokens counted from 0, pads at 0 (as sampling and
+    scoring both use them, so a row has the same positions in each)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 def distinct_rows(items: list, dedupe: bool = True) -> tuple[list, torch.Tensor]:
@@ -112,9 +114,9 @@ def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
-    once, prefix_cache). Position ids follow the attention mask: a padded row sees generate()'s
-    positions. With a shared prefix, the tokens before the last `keep` positions are read once per
-    distinct row too (read_heads_once)."""
+    once, prefix_cache). Position ids follow the attention mask: a padded row sees the positions
+    it was sampled at. With a shared prefix, the tokens before the last `keep` positions are read
+    once per distinct row too (read_heads_once)."""
     device = next(model.parameters()).device
     rows, shared = input_ids.shape[0], len(prefix_ids)
     attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
@@ -315,7 +317,7 @@ def rows_bucket(x: torch.Tensor) -> int:
     return min(256, 1 << (rows - 1).bit_length())
 
 @functools.cache
-def onednn_is_faster(weight_shape: tuple[int, int], rows: int = 256) -> bool:
+def onednn_is_faster(weight_shape: tuple[int, int], rows: int) -> bool:
     """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and this
     many rows on the CPU at hand? Timed once per shape and row count, forward and backward products,
     the best of 5 each: which one wins depends on the CPU and on the rows, so it is measured rather

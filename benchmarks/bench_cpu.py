@@ -103,7 +103,7 @@ def levers(on: bool):
         yield
         return
     with mock.patch.object(support, "READ_HEADS_ONCE", False), \
-            mock.patch.object(support, "onednn_is_faster", lambda shape, rows=256: False), \
+            mock.patch.object(support, "onednn_is_faster", lambda shape, rows: False), \
             mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses), \
             mock.patch.object(support, "distinct_chunks", steps_chunks):
         yield
@@ -121,6 +121,12 @@ def first_iteration_steps(model, tokenizer, cfg, seeds) -> list:
     with model.disable_adapter():
         episodes = msgrpo.play_groups(model, tokenizer, dataclasses.replace(cfg, temperature=1.0),
                                       seeds)
+    return steps_of(episodes)
+
+
+def steps_of(episodes) -> list:
+    """Every step of every episode, with advantages +1 and -1 in turn (an update's arithmetic does
+    not depend on their values)."""
     advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
     return msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
 
@@ -172,8 +178,7 @@ def main(argv=None):
     torch.manual_seed(0)
     episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)  # warm-up, and the steps to train
     env_steps = sum(len(ep.rewards) for ep in episodes)
-    advantages = np.where(np.arange(len(episodes)) % 2 == 0, 1.0, -1.0)
-    steps = msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
+    steps = steps_of(episodes)
     varied = first_iteration_steps(model, tokenizer, cfg, seeds)
 
     def measure(on):

@@ -370,7 +370,7 @@ def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
     model.train()
     results = {}
     for onednn in (False, True):
-        with mock.patch.object(support, "onednn_is_faster", lambda shape, rows=256: onednn), \
+        with mock.patch.object(support, "onednn_is_faster", lambda shape, rows: onednn), \
                 mock.patch.object(support.OneDNNFrozenLinear, "apply",
                                   wraps=support.OneDNNFrozenLinear.apply) as calls, \
                 support.dequantized_4bit_weights(model):
