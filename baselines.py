@@ -4,6 +4,7 @@ Every agent has `act(obs_text, info) -> str` or `act_batch(observations, infos) 
 text response that `envs.evaluate` parses with the game's parser, exactly like a language model's.
 
     random, optimal    read the symbolic `info`; optimal is value iteration (Frozen Lake) or BFS (Snake)
+    SnakeRuleAgent     Snake's hand rules on the symbolic `info` (never_die, apple_greedy, ...)
     DQNAgent           CleanRL-style DQN on the symbolic state (one-hot grid channels)
     LLMAgent           a local language model (any model msgrpo.py loads, optional LoRA adapter),
                        zero-shot, with msgrpo's LAP prompt, generation and parser
@@ -50,7 +51,7 @@ import msgrpo
 import support
 
 # ---------------------------------------------------------------------------------------------
-# 1. Random and optimal: the floor and the ceiling
+# 1. Random, optimal and Snake's hand rules: the floor, the ceiling, and what a rule reaches
 # ---------------------------------------------------------------------------------------------
 
 
