@@ -18,9 +18,9 @@ test: $(VENV)/.installed
 test-slow: $(VENV)/.installed
 	$(PY) -m pytest -m slow
 
-# 12 iterations of 4 groups, 100 held-out maps before and after: runs/quick, replaced each time.
+# 12 iterations of 4 groups, 50 held-out maps before and after: runs/quick, replaced each time.
 quick: $(VENV)/.installed
-	$(PY) msgrpo.py --env frozen_lake --iterations 12 --groups 4 --eval-episodes 100 \
+	$(PY) msgrpo.py --env frozen_lake --iterations 12 --groups 4 --eval-episodes 50 \
 		--run-dir runs/quick --overwrite
 
 demo: $(VENV)/.installed

@@ -18,8 +18,10 @@ trained policy's do. Two ways to run them:
              row however often they repeat: fewer forwards) and the prefix tree
              (support.read_heads_once: a prompt that several steps share is read once, their
              replies after it); in both, the base weights' matmuls through oneDNN where that
-             kernel times faster for the shape and row count (support.onednn_is_faster). The same
-             numbers as the plain path, within float rounding (tests/test_msgrpo.py checks 1e-4)
+             kernel times faster for the shape and row count (support.onednn_is_faster); and
+             attention over the 3 key/value heads as they are rather than copied to the 9 query
+             heads (support.grouped_query_attention). The same numbers as the plain path, within
+             float rounding (tests/test_msgrpo.py checks 1e-4)
 (a) a rollout step: seconds per env step of the rollouts;
 (b) a trained step: forward + backward over every step of those rollouts, in the update's
     micro-batches, seconds per step; and the peak resident memory while it runs (sampled from
@@ -97,16 +99,23 @@ def median_seconds_per_item(function, repeats: int) -> float:
 
 @contextlib.contextmanager
 def levers(on: bool):
-    """The sampling loop, micro-batches of distinct steps, the prefix tree and the oneDNN kernel
-    on (as the trainer runs) or off (the code before)."""
+    """The sampling loop, micro-batches of distinct steps, the prefix tree, the oneDNN kernel and
+    attention over grouped heads on (as the trainer runs) or off (the code before)."""
     if on:
         yield
         return
     with mock.patch.object(support, "READ_HEADS_ONCE", False), \
             mock.patch.object(support, "onednn_is_faster", lambda shape, rows: False), \
             mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses), \
-            mock.patch.object(support, "distinct_chunks", steps_chunks):
+            mock.patch.object(support, "distinct_chunks", steps_chunks), \
+            mock.patch.object(support, "grouped_query_attention", copied_heads):
         yield
+
+
+def copied_heads(enabled: bool = True):
+    """Attention as transformers runs it given a mask: each key/value head copied per query head
+    (the code before)."""
+    return contextlib.nullcontext()
 
 
 def steps_chunks(items: list, size: int, key) -> list[list]:

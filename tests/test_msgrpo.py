@@ -3,6 +3,7 @@
 import contextlib
 import json
 import math
+import os
 from unittest import mock
 
 import numpy as np
@@ -381,6 +382,31 @@ def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
     assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
     for name, grad in plain_grads.items():
         torch.testing.assert_close(onednn_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_grouped_query_attention_gives_the_same_logprobs_and_gradients_without_copied_heads():
+    """Attention over the grouped key/value heads (no copies of them) must give the log-probs and
+    LoRA gradients of transformers' path, which copies each key/value head per query head; the
+    switch is off again afterwards."""
+    from transformers.integrations import sdpa_attention
+
+    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"])
+    batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True)
+    model.train()
+    results = {}
+    for grouped in (False, True):
+        copying = mock.patch.object(sdpa_attention, "repeat_kv", wraps=sdpa_attention.repeat_kv)
+        with copying as copies, support.grouped_query_attention(enabled=grouped):
+            results[grouped] = _logprobs_and_lora_grads(model, batch)
+        assert copies.called != grouped
+    assert support.FORCE_GQA not in os.environ
+    (copied, mask, copied_grads), (grouped, _, grouped_grads) = results[False], results[True]
+    assert (copied - grouped)[mask.bool()].abs().max() < 1e-4
+    assert any(grad.abs().sum() > 0 for grad in copied_grads.values())
+    for name, grad in copied_grads.items():
+        torch.testing.assert_close(grouped_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
 def test_onednn_linear_backward_is_the_transposed_product():
