@@ -384,7 +384,7 @@ def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
         torch.testing.assert_close(onednn_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
-def test_grouped_query_attention_gives_the_same_logprobs_and_gradients_without_copied_heads():
+def test_grouped_query_attention_keeps_logprobs_and_gradients():
     """Attention over the grouped key/value heads (no copies of them) must give the log-probs and
     LoRA gradients of transformers' path, which copies each key/value head per query head; the
     switch is off again afterwards."""
