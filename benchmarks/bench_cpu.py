@@ -112,7 +112,7 @@ def levers(on: bool):
         yield
 
 
-def copied_heads(enabled: bool = True):
+def copied_heads():
     """Attention as transformers runs it given a mask: each key/value head copied per query head
     (the code before)."""
     return contextlib.nullcontext()

@@ -398,7 +398,8 @@ def test_grouped_query_attention_keeps_logprobs_and_gradients():
     results = {}
     for grouped in (False, True):
         copying = mock.patch.object(sdpa_attention, "repeat_kv", wraps=sdpa_attention.repeat_kv)
-        with copying as copies, support.grouped_query_attention(enabled=grouped):
+        attention = support.grouped_query_attention() if grouped else contextlib.nullcontext()
+        with copying as copies, attention:
             results[grouped] = _logprobs_and_lora_grads(model, batch)
         assert copies.called != grouped
     assert support.FORCE_GQA not in os.environ
