@@ -214,20 +214,22 @@ def ends_reply(ids: list[int], end_ids: set[int], tokenizer) -> bool:
     return ids[-1] in end_ids or ACTION_END in tokenizer.decode(ids[-len(ACTION_END):])
 
 @torch.no_grad()
-def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float,
-                     share_prefix: bool = True) -> tuple[list[list[int]], list[list[float]]]:
+def sample_responses(
+        model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+        share_prefix: bool = True, kept_prefixes: dict | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
     """All prompts' replies in one batch (support.sample_replies); returns the sampled ids and their
     log-probs. Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition
     penalty) with the weights the update trains, so the loss recomputes log-probs of the very
     distribution the tokens came from; T = 0 is greedy. share_prefix=False reads every prompt
-    whole (the same numbers, slower)."""
+    whole (the same numbers, slower). kept_prefixes: prefix keys and values kept from earlier
+    calls with the same weights (support.prompt_forward)."""
     model.eval()
     end_ids = end_token_ids(model, tokenizer)
     with support.dequantized_4bit_weights(model):
         tokens, logprobs, lengths = support.sample_replies(
             model, prompts, tokenizer.pad_token_id, max_new_tokens, temperature,
-            lambda ids: ends_reply(ids, end_ids, tokenizer), share_prefix)
+            lambda ids: ends_reply(ids, end_ids, tokenizer), share_prefix, kept_prefixes)
     return ([tokens[row, :n].tolist() for row, n in enumerate(lengths)],
             [logprobs[row, :n].tolist() for row, n in enumerate(lengths)])
 
@@ -254,10 +256,11 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int],
                 for _ in range(cfg.group_size)]
     observations = [game.reset(seed=ep.seed)[0] for game, ep in zip(games, episodes)]
     bar = tqdm(desc="rollout steps", unit="step", disable=not progress, leave=False)
+    kept_prefixes = {}  # every step's prompts start with the same rules: read them once
     while live := [i for i, ep in enumerate(episodes) if not ep.done]:
         prompts = [lap_prompt_ids(tokenizer, observations[i], cfg) for i in live]
         responses, logprobs = sample_responses(model, tokenizer, prompts, cfg.max_new_tokens,
-                                               cfg.temperature)
+                                               cfg.temperature, kept_prefixes=kept_prefixes)
         for i, prompt, response, logprob in zip(live, prompts, responses, logprobs):
             episode, game = episodes[i], games[i]
             text = response_text(tokenizer, response, cfg)
@@ -589,11 +592,12 @@ class LAPAgent:
     def __init__(self, model, tokenizer, cfg: Config, greedy: bool = True):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.temperature = 0.0 if greedy else cfg.temperature
+        self.kept_prefixes = {}  # the rules' keys and values, for this agent's weights
 
     def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
         prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
         replies, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens,
-                                      self.temperature)
+                                      self.temperature, kept_prefixes=self.kept_prefixes)
         return [response_text(self.tokenizer, r, self.cfg) for r in replies]
 
     def act(self, observation: str, info: dict) -> str:

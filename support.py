@@ -103,15 +103,30 @@ def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
         length += 1
     return length
 
-def prefix_cache(model, prefix_ids: torch.Tensor, rows: int):
+def prefix_cache(model, prefix_ids: torch.Tensor, rows: int, kept: dict | None = None):
     """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each
     row. A token sees earlier tokens only through their keys and values, so this gives the same
     numbers as running the prefix in every row; under autograd the repeat sums the rows' gradients
-    back into it."""
-    device = next(model.parameters()).device
-    cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
-    cache.batch_repeat_interleave(rows)
-    return cache
+    back into it. kept (prefix tokens -> their keys and values) carries them from one call to the
+    next while the weights stay the same: a prefix found there is not computed again."""
+    from transformers import DynamicCache
+    key = tuple(prefix_ids.tolist())
+    if kept is not None and key in kept:
+        keys_values = kept[key]
+    else:
+        device = next(model.parameters()).device
+        cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
+        keys_values = [(layer.keys, layer.values) for layer in cache.layers]
+        if kept is not None:
+            kept[key] = keys_values
+    return DynamicCache([(keys.repeat_interleave(rows, 0), values.repeat_interleave(rows, 0))
+                         for keys, values in keys_values], config=model.config)
+
+def kept_prefix(kept: dict, prompts: list[tuple]) -> tuple:
+    """The longest prefix in kept that every prompt starts with and goes past; () if none."""
+    fits = [prefix for prefix in kept
+            if all(len(p) > len(prefix) and p[:len(prefix)] == prefix for p in prompts)]
+    return max(fits, key=len, default=())
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
@@ -160,17 +175,22 @@ def read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, 
 # distinct prompt's tokens) and then one forward per reply token over all rows (KV caching: each
 # new token attends to the keys and values already computed, so it is the only one run).
 
-def prompt_forward(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True):
+def prompt_forward(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True,
+                   kept_prefixes: dict | None = None):
     """Each distinct prompt read once, the prefix they all share once (prefix_cache): returns the
     next-token logits [U, V], the cache of keys and values, the attention mask [U, L] (left
-    padded) and rows [N], the distinct prompt of each prompt given. share_prefix=False reads every
-    prompt whole (the same numbers, slower)."""
+    padded) and rows [N], the distinct prompt of each prompt given. A rollout's prompts all start
+    with the same rules, step after step: with kept_prefixes (prefix_cache's kept) the first call
+    keeps that prefix's keys and values and later calls start from them. share_prefix=False reads
+    every prompt whole (the same numbers, slower)."""
     device = next(model.parameters()).device
     distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
     shared = shared_prefix_length(distinct) if share_prefix else 0
+    if share_prefix and kept_prefixes is not None:
+        shared = len(kept_prefix(kept_prefixes, distinct)) or shared
     suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
     prefix_ids = torch.tensor(distinct[0][:shared], dtype=torch.long)
-    cache = prefix_cache(model, prefix_ids, len(distinct)) if shared else None
+    cache = prefix_cache(model, prefix_ids, len(distinct), kept_prefixes) if shared else None
     ones = torch.ones(len(distinct), shared, dtype=torch.long)
     attention_mask = torch.cat([ones, suffix_mask], 1)
     position_ids = left_padded_positions(attention_mask)[:, shared:]
@@ -210,14 +230,16 @@ def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor
 
 @torch.no_grad()
 def sample_replies(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                   temperature: float, ends_reply, share_prefix: bool = True):
+                   temperature: float, ends_reply, share_prefix: bool = True,
+                   kept_prefixes: dict | None = None):
     """Up to max_new_tokens tokens after each prompt, sampled at temperature T (sample_token);
     a row stops once ends_reply(its tokens so far) holds, asked after each of its tokens, and the
     loop once every row has. Returns the tokens and their log-probs, [N, T] each, and each row's
     reply length. The first token comes from the prompts' forward, so rows that share a prompt
-    (a group's episodes at their start) share that forward too."""
+    (a group's episodes at their start) share that forward too. kept_prefixes: prompt_forward's."""
     device = next(model.parameters()).device
-    logits, cache, attention_mask, rows = prompt_forward(model, prompts, pad_id, share_prefix)
+    logits, cache, attention_mask, rows = prompt_forward(model, prompts, pad_id, share_prefix,
+                                                         kept_prefixes)
     logits, attention_mask = logits[rows.to(logits.device)], attention_mask[rows].to(device)
     if max_new_tokens > 1:
         cache = preallocated_cache(model, cache, rows, max_new_tokens - 1)

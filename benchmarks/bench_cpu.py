@@ -13,7 +13,8 @@ trained policy's do. Two ways to run them:
              prompt shares read once (prefix caching)
     after    rollouts by support.sample_replies: keys and values kept in place rather than copied
              as they grow, one uniform draw per token rather than one per vocabulary entry, on the
-             dequantized weights the update trains (so no longer rounded differently from them);
+             dequantized weights the update trains (so no longer rounded differently from them),
+             the rules' keys and values kept from one lockstep call to the next (kept_prefixes);
              training in micro-batches of --micro-batch distinct steps (identical steps are one
              row however often they repeat: fewer forwards) and the prefix tree
              (support.read_heads_once: a prompt that several steps share is read once, their

@@ -70,8 +70,9 @@ def stop_string_criterion(tokenizer, text: str):
 
 @torch.no_grad()
 def sample_responses(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float, share_prefix: bool = True):
-    """msgrpo.sample_responses' signature and results, sampled with model.generate."""
+                     temperature: float, share_prefix: bool = True, kept_prefixes=None):
+    """msgrpo.sample_responses' signature and results, sampled with model.generate. The prefix is
+    read again in every call (kept_prefixes is not used: the code before kept none)."""
     model.eval()
     device = next(model.parameters()).device
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)

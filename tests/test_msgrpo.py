@@ -532,6 +532,37 @@ def test_prompt_caching_samples_what_the_full_prompts_sample(tiny):
             np.testing.assert_allclose(cached_row, full_row, atol=1e-4)
 
 
+def test_kept_prefixes_sample_what_reading_each_call_whole_samples(tiny):
+    """A rollout's calls, one after another: the first keeps the rules' keys and values, the later
+    ones (a single prompt, whose shared prefix alone would be empty, and the prompts reversed)
+    start from them, and the replies and log-probs are those of reading every call afresh."""
+    cfg, model, tokenizer = tiny
+    four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
+    calls, kept = [four, four[:1], four[::-1]], {}
+    for prompts in calls:
+        runs = []
+        for kept_prefixes in (None, kept):
+            torch.manual_seed(5)
+            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0,
+                                                kept_prefixes=kept_prefixes))
+        (afresh_ids, afresh_logp), (kept_ids, kept_logp) = runs
+        assert kept_ids == afresh_ids
+        for afresh_row, kept_row in zip(afresh_logp, kept_logp):
+            np.testing.assert_allclose(kept_row, afresh_row, atol=1e-4)
+    assert len(kept) == 1  # computed by the first call, found by the others
+    (prefix,) = kept
+    assert len(prefix) == support.shared_prefix_length(four) > 0
+
+
+def test_kept_prefix_is_the_longest_one_every_prompt_goes_past():
+    kept = {(1, 2): None, (1, 2, 3): None, (9,): None}
+    assert support.kept_prefix(kept, [(1, 2, 3, 4), (1, 2, 3, 5)]) == (1, 2, 3)
+    assert support.kept_prefix(kept, [(1, 2, 3, 4), (1, 2, 7)]) == (1, 2)
+    assert support.kept_prefix(kept, [(1, 2, 3)]) == (1, 2)  # a prompt must go past it
+    assert support.kept_prefix(kept, [(1, 2, 3, 4), (8,)]) == ()
+    assert support.kept_prefix({}, [(1, 2)]) == ()
+
+
 def test_a_reply_ends_at_an_end_token_or_the_token_that_completes_action_end(tiny):
     _, model, tokenizer = tiny
     end = tokenizer.eos_token_id
