@@ -2,8 +2,8 @@
 
     1. batches            micro-batches, left padding; prefix caching and a prefix tree: shared
                           tokens run once
-    2. sampling           replies token by token: each distinct prompt read once, keys and values
-                          kept in place, one uniform draw per token
+    2. sampling           replies token by token: each distinct prompt read once, the rules once
+                          a rollout, keys and values kept in place, one uniform draw per token
     3. 4-bit on the CPU   bitsandbytes' weights kept differentiable, dequantized once for rollouts
                           and training, multiplied by the faster kernel; attention on the grouped
                           key/value heads as they are
