@@ -30,6 +30,7 @@ from collections import deque
 import gymnasium
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import MAPS, generate_random_map
+from gymnasium.vector.utils import create_shared_memory
 from tqdm import tqdm
 
 HELDOUT_SEED_START = 1_000_000
@@ -123,6 +124,19 @@ TEXT_CHARSET = string.ascii_letters + string.digits + string.punctuation + " \n"
 TEXT_BEYOND_RULES_AND_GRID = 1000
 
 
+class TextObservations(gymnasium.spaces.Text):
+    """Gymnasium's Text space, which AsyncVectorEnv may not keep in shared memory (below)."""
+
+
+@create_shared_memory.register(TextObservations)
+def refuse_shared_memory(space, n=1, ctx=None):
+    """AsyncVectorEnv reads a Text space's shared memory once, when it is made, into a tuple of
+    strings that later steps never update: every observation would be the same string of a's.
+    Without shared memory each observation is sent from the worker whole, and is right."""
+    raise ValueError("the text games' observations are text, which AsyncVectorEnv cannot keep in "
+                     "shared memory: pass shared_memory=False")
+
+
 class TextGame(gymnasium.Env):
     """Shared by the games. A game defines `new_game`, `is_legal`, `move`, `state_text` and
     `state_info`, and calls `declare_spaces` once its rules are written; this class handles
@@ -151,7 +165,7 @@ class TextGame(gymnasium.Env):
         (a cell and a space or newline each) and the other lines can make it."""
         self.action_space = gymnasium.spaces.Discrete(len(self.actions))
         longest = len(self.rules) + 2 * grid_cells + TEXT_BEYOND_RULES_AND_GRID
-        self.observation_space = gymnasium.spaces.Text(longest, charset=TEXT_CHARSET)
+        self.observation_space = TextObservations(longest, charset=TEXT_CHARSET)
 
     def reset(self, seed=None, options=None):
         """Start a game. The same seed gives the same game (map, apples, slips, opponent).
@@ -378,6 +392,9 @@ def resolve_map(map_option):
     well_formed = len({len(row) for row in rows}) == 1 and set(tiles) <= set("SFHG")
     if not well_formed or tiles.count("S") != 1 or "G" not in tiles:
         raise ValueError(f"map rows need equal lengths, only S, F, H, G, one S and a G: {rows}")
+    if max(len(rows), len(rows[0])) > MAX_BOARD_SIZE:  # the cap on size, for the same reason
+        raise ValueError(f"option map must be at most {MAX_BOARD_SIZE}x{MAX_BOARD_SIZE} cells, "
+                         f"got {len(rows)}x{len(rows[0])}")
     return rows
 
 
@@ -606,8 +623,17 @@ class Snake(TextGame):
         super().__init__(**options)
         # at least 5: room for two snakes
         self.size = positive_int("size", self.options["size"], minimum=5, maximum=MAX_BOARD_SIZE)
+        # Each fruit takes a cell no snake starts on; more could never be placed (and billions
+        # would keep reset looking for cells).
+        snake_cells = 3 * (1 + boolean("opponent", self.options["opponent"]))
+        free = self.size * self.size - snake_cells
         self.apple_count = positive_int("apples", self.options["apples"], minimum=0)
         self.banana_count = positive_int("bananas", self.options.get("bananas", 0), minimum=0)
+        if self.apple_count + self.banana_count > free:
+            fruit = "apples + bananas" if "bananas" in self.defaults else "apples"
+            raise ValueError(f"option {fruit} must be at most {free}, the cells free of snakes "
+                             f"on a {self.size}x{self.size} board, got "
+                             f"{self.apple_count + self.banana_count}")
         self.step_reward = finite_float("step_reward", self.options["step_reward"])
         self.has_opponent = boolean("opponent", self.options["opponent"])
         self.start = self.options["start"]

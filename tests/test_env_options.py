@@ -65,3 +65,35 @@ def test_a_board_too_large_to_play_is_refused_with_the_range(env, size, allowed)
     with pytest.raises(ValueError, match=f"option size must be an int {allowed}, got {size}"):
         envs.make(env, size=size)
     assert envs.make(env, size=32).size == 32
+
+
+@pytest.mark.parametrize("env, options, free", [
+    ("snake", {"apples": 3_000_000_000}, 97), ("snake", {"size": 5, "apples": 23}, 22),
+    ("snake", {"size": 5, "apples": 20, "opponent": True}, 19),
+    ("snake_poison_apple", {"size": 5, "apples": 12, "bananas": 11}, 22)])
+def test_more_fruit_than_free_cells_is_refused_when_the_game_is_made(env, options, free):
+    """Each apple and banana takes a free cell: apples in the billions would keep reset looking for cells for hours."""
+    with pytest.raises(ValueError) as error:
+        envs.make(env, **options)
+    message = str(error.value)
+    assert "apples" in message and f"at most {free}" in message and "\n" not in message
+
+
+def test_a_board_may_be_filled_with_fruit_to_its_last_free_cell():
+    _, info = envs.make("snake_poison_apple", size=5, apples=12, bananas=10).reset(seed=0)
+    assert len(info["apples"]) == 12 and len(info["bananas"]) == 10
+    _, info = envs.make("snake", size=5, apples=19, opponent=True).reset(seed=0)
+    assert len(set(info["apples"]) | set(info["snake"]) | set(info["opponent"])) == 25
+
+
+def lake_map(rows, cols):
+    return ["S" + "F" * (cols - 1)] + ["F" * cols] * (rows - 2) + ["F" * (cols - 1) + "G"]
+
+
+@pytest.mark.parametrize("rows, cols", [(100, 100), (33, 2), (2, 33)])
+def test_a_map_larger_than_the_board_cap_is_refused_as_size_is(rows, cols):
+    with pytest.raises(ValueError) as error:
+        envs.make("frozen_lake", map=lake_map(rows, cols))
+    message = str(error.value)
+    assert f"{rows}x{cols}" in message and "at most 32" in message and "\n" not in message
+    assert envs.make("frozen_lake", map=lake_map(32, 32)).fixed_map == lake_map(32, 32)

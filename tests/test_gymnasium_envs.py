@@ -99,3 +99,45 @@ def test_step_none_is_still_the_invalid_action_through_gymnasium_make():
     _, reward, terminated, truncated, info = env.step(None)
     assert (reward, terminated, truncated) == (-0.5, False, False)
     assert info["invalid"] and info["position"] == (0, 0)
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_async_vector_env_refuses_shared_memory_and_says_how_to_go_without(name):
+    """Gymnasium's shared memory for Text reads the observations once, when the vector env is
+    made: every later observation would be the same string of a's."""
+    with pytest.raises(ValueError, match="shared_memory=False"):
+        gymnasium.vector.AsyncVectorEnv([lambda: envs.make(name)] * 2)
+
+
+def played_alone(name, seed, moves):
+    """Observations of one game played alone, up to the end of its episode."""
+    env = envs.make(name)
+    seen = [env.reset(seed=seed)[0]]
+    for move in moves:
+        observation, _, terminated, truncated, _ = env.step(int(move))
+        seen.append(observation)
+        if terminated or truncated:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("name", envs.ENV_NAMES)
+def test_async_vector_env_without_shared_memory_sees_what_sync_and_the_single_env_see(name):
+    seeds, moves = [3, 4, 5], np.random.default_rng(0).integers(0, 4, size=(6, 3))
+    sync = gymnasium.vector.SyncVectorEnv([lambda: envs.make(name)] * len(seeds))
+    asynchronous = gymnasium.vector.AsyncVectorEnv([lambda: envs.make(name)] * len(seeds),
+                                                   shared_memory=False)
+    try:
+        seen = {}
+        for kind, vector in (("sync", sync), ("async", asynchronous)):
+            observations = [vector.reset(seed=seeds)[0]]
+            observations += [vector.step(step_moves)[0] for step_moves in moves]
+            seen[kind] = [list(step) for step in observations]
+    finally:
+        sync.close()
+        asynchronous.close()
+    assert seen["async"] == seen["sync"]
+    for index, seed in enumerate(seeds):
+        alone = played_alone(name, seed, moves[:, index])
+        assert [step[index] for step in seen["async"][:len(alone)]] == alone
+        assert len(set(alone)) > 1
