@@ -557,6 +557,11 @@ class ChatServerAgent:
                  timeout=60.0, retries=2, backoff=1.0, deadline=180.0, concurrency=8):
         if problem := url_problem(base_url):
             raise ValueError(f"base_url {base_url!r}: {problem}")
+        settings = dict(max_tokens=max_tokens, timeout=timeout, retries=retries, backoff=backoff,
+                        deadline=deadline, concurrency=concurrency)
+        for name, value in settings.items():
+            if problem := server_setting_problem(name, value):
+                raise ValueError(f"{name} {problem}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.max_tokens, self.temperature = model, max_tokens, temperature
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
@@ -1006,15 +1011,32 @@ def add_server_flags(parser):
                         help="server: seconds for a whole reply, all tries included; then it counts as invalid")
 
 
+# The chat server agent's settings: (lowest, whether lowest itself is refused, highest or None).
+# Seconds above a million overflow the watchdog's timer (1e10 s: "timestamp out of range"); past
+# 1000 retries the doubling wait, backoff * 2**retry, no longer fits a float; each request in
+# flight is a thread.
+SERVER_LIMITS = {"concurrency": (1, False, 1024), "max_tokens": (1, False, None),
+                 "timeout": (0, True, 1_000_000), "retries": (0, False, 1000),
+                 "backoff": (0, False, 1_000_000), "deadline": (0, True, 1_000_000)}
+
+
+def server_setting_problem(name, value):
+    """Why `value` cannot be the chat server agent's setting `name` (SERVER_LIMITS), or ""."""
+    lowest, strict, highest = SERVER_LIMITS[name]
+    too_low = value < lowest or (strict and value == lowest)
+    if math.isfinite(value) and not too_low and (highest is None or value <= highest):
+        return ""
+    allowed = f"{'above' if strict else 'at least'} {lowest}"
+    return f"must be {allowed}" + ("" if highest is None else f" and at most {highest}") \
+        + f", got {value}"
+
+
 def check_server_flags(args, parser):
     if args.base_url is not None and (problem := url_problem(args.base_url)):
         raise SystemExit(f"{parser.prog}: error: --base-url {args.base_url!r}: {problem}")
-    for flag, value, lowest, strict in [("--concurrency", args.concurrency, 1, False),
-                                        ("--max-tokens", args.max_tokens, 1, False),
-                                        ("--timeout", args.timeout, 0, True), ("--retries", args.retries, 0, False),
-                                        ("--backoff", args.backoff, 0, False), ("--deadline", args.deadline, 0, True)]:
-        if not math.isfinite(value) or value < lowest or (strict and value == lowest):
-            parser.error(f"{flag} must be {'above' if strict else 'at least'} {lowest}, got {value}")
+    for name in SERVER_LIMITS:
+        if problem := server_setting_problem(name, getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} {problem}")
 
 
 def server_agent(args):
@@ -1055,14 +1077,52 @@ def make_agent(args, options, parser):
     return DQNAgent.load(run_dir)
 
 
+def holds_a_dqn(run_dir):
+    """Whether run_dir's config.json is a DQN's (save_dqn's, with its "dqn" settings)."""
+    try:
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(config, dict) and "dqn" in config
+
+
 def refuse_to_replace(run_dir, overwrite, prog):
-    """Stop with one line, before any training, where the run folder is a file, or holds a
+    """Stop with one line, before any training, where the run folder is a file, holds files but
+    no DQN (a training run, a model: --overwrite would replace its config.json), or holds a
     trained DQN and --overwrite was not given."""
     if run_dir.exists() and not run_dir.is_dir():
         raise SystemExit(f"{prog}: error: the DQN run folder {run_dir} is a file")
-    if not overwrite and any((run_dir / name).exists() for name in DQN_FILES):
+    leftovers = {f".{name}.tmp" for name in DQN_FILES}  # of a save that was killed
+    held = sorted(p.name for p in run_dir.iterdir() if p.name not in leftovers) \
+        if run_dir.is_dir() else []
+    if held and not holds_a_dqn(run_dir):
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise SystemExit(f"{prog}: error: {run_dir} holds no DQN but other files ({shown}); a "
+                         f"DQN is saved only in a new or empty folder or over another DQN: "
+                         f"choose another --dqn-dir")
+    if not overwrite and held:
         raise SystemExit(f"{prog}: error: {run_dir} already holds a trained DQN: evaluate it "
                          f"without --train-steps, or replace it with --overwrite")
+
+
+# More held-out episodes than this is days of a language model's play; a count in the billions
+# would allocate its list of seeds before the first game.
+MAX_EPISODES = 100_000
+
+
+def output_file_problem(path):
+    """Make the folders above `path`, and say why a file cannot be written there, or "": checked
+    before an evaluation, so that its result is not lost at the end."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a folder"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return f"cannot make its folder: {support.one_line(error)}"
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        return "cannot be written (permission denied)"
+    return ""
 
 
 def main(argv=None):
@@ -1072,8 +1132,10 @@ def main(argv=None):
     parser = build_parser()
     parser.epilog = f"python baselines.py {{{','.join(CRITIC_ALGOS)}}} --help: train POAD or NTPO"
     args = parser.parse_args(argv)
-    if args.episodes < 1:
-        parser.error("--episodes must be at least 1")
+    if not 1 <= args.episodes <= MAX_EPISODES:
+        parser.error(f"--episodes must be from 1 to {MAX_EPISODES}, got {args.episodes}")
+    if args.json is not None and (problem := output_file_problem(args.json)):
+        raise SystemExit(f"{parser.prog}: error: --json {args.json}: {problem}")
     if args.train_steps is not None and args.train_steps < 1:
         raise SystemExit(f"{parser.prog}: error: --train-steps must be a positive integer, "
                          f"got {args.train_steps}")

@@ -393,8 +393,9 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.episodes < 1:
-        raise SystemExit("compare.py: --episodes must be at least 1")
+    if not 1 <= args.episodes <= baselines.MAX_EPISODES:
+        raise SystemExit(f"compare.py: --episodes must be from 1 to {baselines.MAX_EPISODES}, "
+                         f"got {args.episodes}")
     baselines.check_server_flags(args, parser)
     unknown = [g for g in args.games if g not in COMPARE_GAMES]
     if unknown:

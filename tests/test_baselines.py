@@ -175,3 +175,34 @@ def test_snake_rules_that_check_their_move_never_die_on_a_board_with_room(rule):
     greedy = envs.evaluate(baselines.SnakeRuleAgent("apple_greedy"), "snake", range(100), size=6,
                            max_steps=5)
     assert greedy["mean_apples"] >= result["mean_apples"]  # reading the apple's offset pays
+
+
+def refuse_to_play(*args, **kwargs):
+    raise AssertionError("the evaluation started")
+
+
+def test_episodes_beyond_the_cap_are_refused_before_any_seed_is_drawn(monkeypatch, capsys):
+    """A billion episodes is a list of a billion seeds before the first game."""
+    monkeypatch.setattr(baselines.envs, "heldout_seeds", refuse_to_play)
+    with pytest.raises(SystemExit):
+        baselines.main(["--agent", "random", "--episodes", "1000000000"])
+    assert "error: --episodes must be from 1 to 100000" in capsys.readouterr().err
+
+
+def test_json_into_a_missing_folder_makes_the_folder_and_keeps_the_result(tmp_path):
+    path = tmp_path / "new" / "deeper" / "result.json"
+    result = baselines.main(["--agent", "optimal", "--episodes", "2", "--json", str(path)])
+    assert json.loads(path.read_text()) == result
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file"])
+def test_json_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path, monkeypatch,
+                                                                       where):
+    (tmp_path / "file").write_text("kept")
+    path = tmp_path if where == "a folder" else tmp_path / "file" / "result.json"
+    monkeypatch.setattr(baselines.envs, "evaluate", refuse_to_play)
+    with pytest.raises(SystemExit) as stop:
+        baselines.main(["--agent", "optimal", "--episodes", "2", "--json", str(path)])
+    message = str(stop.value.code)
+    assert "--json" in message and str(path) in message and "\n" not in message
+    assert (tmp_path / "file").read_text() == "kept"

@@ -99,3 +99,16 @@ def test_an_adapter_may_not_take_another_rows_name(tmp_path, adapters, named):
     message = str(stop.value.code)
     assert "--adapter" in message and named in message and "\n" not in message
     assert not list(tmp_path.iterdir())
+
+
+def test_episodes_beyond_the_cap_are_refused_before_any_seed_is_drawn(tmp_path, monkeypatch):
+    def no_seeds(n):
+        raise AssertionError("seeds were drawn")
+
+    monkeypatch.setattr(compare.envs, "heldout_seeds", no_seeds)
+    with pytest.raises(SystemExit) as stop:
+        compare.main(["--episodes", "1000000000", "--no-default-adapter", "--agents", "random",
+                      "--games", "frozen_lake", "--out", str(tmp_path)])
+    message = str(stop.value.code)
+    assert "--episodes" in message and "100000" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())

@@ -250,3 +250,39 @@ def test_files_written_together_replace_the_old_ones_only_once_all_are_whole(tmp
     assert folder_bytes(tmp_path) == {"a.json": b"old a", "b.json": b"old b"}
     baselines.write_atomically({first: lambda file: file.write(b"new a")})
     assert folder_bytes(tmp_path) == {"a.json": b"new a", "b.json": b"old b"}
+
+
+FOREIGN_FOLDERS = {
+    "msgrpo run": {"config.json": '{"env": "frozen_lake", "lora_r": 8}', "metrics.jsonl": "{}\n",
+                   "checkpoint.pt": "weights"},
+    "model": {"config.json": '{"model_type": "llama"}', "model.safetensors": "weights"},
+    "other files": {"notes.txt": "mine"},
+    "damaged config": {"config.json": "{", "model.pt": "weights"},
+}
+
+
+@pytest.mark.parametrize("kind", FOREIGN_FOLDERS)
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_folder_that_holds_no_dqn_is_never_written(tmp_path, monkeypatch, kind, overwrite):
+    run_dir = tmp_path / "theirs"
+    run_dir.mkdir()
+    for name, text in FOREIGN_FOLDERS[kind].items():
+        (run_dir / name).write_text(text)
+    before = folder_bytes(run_dir)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the DQN trained")
+
+    monkeypatch.setattr(baselines, "train_dqn", no_training)
+    with pytest.raises(SystemExit) as stop:
+        train_cli(tmp_path, 50, "--dqn-dir", str(run_dir), *overwrite)
+    message = str(stop.value.code)
+    assert str(run_dir) in message and "no DQN" in message and "\n" not in message
+    assert folder_bytes(run_dir) == before
+
+
+def test_an_empty_folder_takes_a_new_dqn(tmp_path):
+    run_dir = tmp_path / "empty"
+    run_dir.mkdir()
+    train_cli(tmp_path, 50, "--dqn-dir", str(run_dir))
+    assert sorted(path.name for path in run_dir.iterdir()) == ["config.json", "model.pt"]

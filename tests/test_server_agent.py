@@ -154,3 +154,48 @@ def test_a_base_url_that_is_no_server_address_is_refused_in_one_line(base_url, p
 def test_a_good_base_url_is_taken_with_or_without_a_port():
     for base_url in ("http://localhost:8000/v1", "https://api.example.com/v1", "http://[::1]:80/v1"):
         assert baselines.url_problem(base_url) == ""
+
+
+class Counting(BaseHTTPRequestHandler):
+    """Answers every request with the move right, and counts the requests."""
+
+    protocol_version = "HTTP/1.1"
+    requests = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        Counting.requests += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(REPLY)))
+        self.end_headers()
+        self.wfile.write(REPLY)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def counting_server(serve):
+    return serve(Counting)
+
+
+@pytest.mark.parametrize("flag, value, cap", [
+    ("--deadline", "1e10", "1000000"), ("--timeout", "1e7", "1000000"),
+    ("--backoff", "1e300", "1000000"),
+    ("--retries", "5000000", "1000"), ("--concurrency", "100000", "1024")])
+def test_server_flags_beyond_their_caps_are_refused_before_any_request(counting_server, flag,
+                                                                       value, cap, capsys):
+    """A deadline of 1e10 s overflows the watchdog's timer, and retries in the millions make
+    the doubling wait too large a number."""
+    Counting.requests = 0
+    with pytest.raises(SystemExit) as stop:
+        baselines.main(["--agent", "server", "--base-url", f"{counting_server}/v1", "--model", "m",
+                        "--episodes", "1", "--map", "classic", "--max-steps", "1", flag, value])
+    assert stop.value.code != 0
+    error = capsys.readouterr().err
+    assert flag in error and f"at most {cap}" in error
+    assert Counting.requests == 0
+    setting = flag.removeprefix("--")
+    with pytest.raises(ValueError, match=f"{setting} must be .*at most {cap}"):
+        baselines.ChatServerAgent(f"{counting_server}/v1", "m", **{setting: float(value)})
