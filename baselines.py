@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+import cpu_speedups
 import envs
 import msgrpo
 import support
@@ -790,7 +791,7 @@ def logprobs_and_values(model, batch: msgrpo.StepBatch, temperature: float):
     finally:
         hook.remove()
     # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
-    return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())[batch.step_rows.to(logprobs.device)]
+    return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())
 
 
 @dataclass
@@ -818,8 +819,8 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
     steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
     old_logprobs, old_values = [], []
     model.eval()
-    with torch.no_grad(), support.dequantized_4bit_weights(model):
-        for micro in support.chunks(steps, cfg.micro_batch):
+    with torch.no_grad(), cpu_speedups.dequantized_4bit_weights(model):
+        for micro in msgrpo.chunks(steps, cfg.micro_batch):
             logprobs, _, values = logprobs_and_values(model, msgrpo.collate_steps(micro, tokenizer.pad_token_id),
                                                       cfg.temperature)
             for row, (_, response, _) in enumerate(micro):
@@ -839,8 +840,8 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
 
 
 def policy_and_value_loss(model, tokenizer, micro: list[TokenStep], cfg: POADConfig):
-    """One micro-batch's loss, as msgrpo.accumulate_gradients takes it: the clipped policy loss with
-    per-token advantages + vf_coef * the clipped value loss; logged: each of the two."""
+    """One micro-batch's loss: the clipped policy loss with per-token advantages + vf_coef * the
+    clipped value loss, means over its response tokens; logged: each of the two."""
     batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
     logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
     width = mask.shape[1]
@@ -856,16 +857,25 @@ def policy_and_value_loss(model, tokenizer, micro: list[TokenStep], cfg: POADCon
 def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep], cfg: POADConfig,
                              rng: np.random.Generator) -> dict:
     """PPO over every step, each minibatch one AdamW step on policy_and_value_loss, its gradient
-    accumulated over micro-batches as MS-GRPO's is (msgrpo.accumulate_gradients)."""
+    accumulated over micro-batches as MS-GRPO's is (msgrpo.update_policy): each micro-batch's
+    token mean weighted by its share n_m / N of the minibatch's response tokens."""
     model.train()
     order = [steps[i] for i in rng.permutation(len(steps))]
     stats = {"loss": [], "value_loss": [], "clip_frac": [], "grad_norm": []}
     for _ in range(cfg.epochs):
-        for minibatch in support.chunks(order, cfg.minibatch):
-            logged = msgrpo.accumulate_gradients(
-                optimizer, support.chunks(minibatch, cfg.micro_batch),
-                lambda micro: policy_and_value_loss(model, tokenizer, micro, cfg),
-                total_tokens=sum(len(s.response) for s in minibatch), eps_clip=cfg.eps_clip)
+        for minibatch in msgrpo.chunks(order, cfg.minibatch):
+            optimizer.zero_grad(set_to_none=True)
+            total_tokens = sum(len(s.response) for s in minibatch)
+            logged = {"clip_frac": 0.0}
+            for micro in msgrpo.chunks(minibatch, cfg.micro_batch):
+                loss, logp, logp_old, mask, means = policy_and_value_loss(model, tokenizer, micro,
+                                                                          cfg)
+                weight = mask.sum().item() / total_tokens
+                (loss * weight).backward()
+                clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip)
+                logged["clip_frac"] += (clipped & mask.bool()).sum().item() / total_tokens
+                for name, value in means.items():
+                    logged[name] = logged.get(name, 0.0) + value * weight
             for name, value in logged.items():
                 stats[name].append(value)
             # Clipped apart: one norm over both would let a large value gradient shrink the policy's.

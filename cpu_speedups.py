@@ -11,7 +11,7 @@ three things, and nothing else:
                        they all share read once and kept from one call to the next, the cache
                        preallocated for the reply (read_prompts)
     3. steps           the update's batches: identical steps one row, the shared prefix once,
-                       a prefix tree for the rest (collate_steps, response_logits)
+                       a prefix tree for the rest (collate_steps, response_logprobs)
     4. allocator       jemalloc, where the system has it (run_under_jemalloc)
 
 A token sees earlier tokens only through their keys and values, so tokens several rows share can
@@ -243,8 +243,7 @@ class SharedSteps:
         return int(self.response_mask.sum(1)[self.step_rows].sum())
 
 def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) -> SharedSteps:
-    """steps: (prompt ids, response ids, advantage) -> SharedSteps. response_logits hands every
-    step its row's logits: the loss and its gradients are those of a row per step."""
+    """steps: (prompt ids, response ids, advantage) -> SharedSteps."""
     distinct, step_rows = distinct_rows([(tuple(p), tuple(r)) for p, r, _ in steps])
     sequences = [list(p + r) for p, r in distinct]
     keep = max(len(r) for _, r in distinct) + 1  # the positions predicting a response stay in rows
@@ -274,19 +273,23 @@ def micro_batches(minibatch: list, size: int) -> list[list]:
         keys.add(key)
     return slices
 
-def response_logits(model, batch: SharedSteps, keep: int) -> torch.Tensor:
-    """Logits at the last `keep` positions of every step, [N, keep, V], as msgrpo's plain forward
-    gives them, from a prefix tree: the prefix every row shares, then each distinct head (a row
-    but its last `keep` positions), then each distinct row's tail. The G episodes of a group share
-    their first prompt and their replies differ only in the tail, so a head is often several
-    rows': its keys and values are computed once and copied to each (under autograd the copies'
-    gradients add up in it). Position ids follow the attention mask, as when sampling."""
-    rows_logits = last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids, keep)
-    return rows_logits[batch.step_rows.to(rows_logits.device)]
+def response_logprobs(model, batch: SharedSteps, n: int, temperature: float, token_logprobs):
+    """msgrpo.response_logprobs of every step, (logprobs [N, n], mask [N, n]): each distinct row's
+    logits at its last n + 1 positions (last_logits), token_logprobs(logits, targets, T) on them,
+    and each step handed its row's values: the loss and its gradients are those of a row per
+    step."""
+    logits = last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids, n + 1)
+    logprobs = token_logprobs(logits, batch.input_ids[:, -n:], temperature)
+    rows = batch.step_rows.to(logits.device)
+    return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids, read
-    as a prefix tree (response_logits)."""
+    as a prefix tree: the prefix every row shares, then each distinct head (a row but its last
+    `keep` positions), then each row's tail. The G episodes of a group share their first prompt
+    and their replies differ only in the tail, so a head is often several rows': its keys and
+    values are computed once and copied to each (under autograd the copies' gradients add up in
+    it). Position ids follow the attention mask, as when sampling."""
     device = next(model.parameters()).device
     split, shared = input_ids.shape[1] - keep, len(prefix_ids)
     attention_mask = torch.cat([torch.ones(len(input_ids), shared, dtype=torch.long),

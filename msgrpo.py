@@ -6,20 +6,25 @@ group; episodes are drawn in proportion to |advantage| (AAW sampling); a clipped
 updates LoRA weights on a 4-bit base. Paper: Dilkes, Yazdanpanah, Stein, arXiv 2508.10839.
 
 Read it top to bottom, in the order data flows:
-    1. config          Config, defaults per device
+    1. config          Config, and what it leaves to the game and the device, as data
     2. LAP prompt      observation text -> chat prompt; response text -> game action
     3. model           NF4 4-bit base + LoRA adapter (peft)
-    4. rollouts        B groups x G episodes in lockstep, one batched sampling call per step
+    4. rollouts        B groups x G episodes in lockstep; the sampling loop, a token at a time
     5. returns         R_i = sum_t r_{i,t}
     6. advantages      A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
     7. AAW sampling    draw K episodes without replacement, P(i) proportional to |A_i|
-    8. loss            L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL)
-    9. training loop   rollouts, then msgrpo_update (sections 5-8), then a checkpoint, per iteration
+    8. loss            L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL), and
+                       the log-prob forward it needs
+    9. training loop   rollouts, then msgrpo_update (sections 5-8: epochs x minibatches x
+                       micro-batches), then a checkpoint, per iteration
    10. evaluation      the policy as an agent on held-out seeds
    11. main            python msgrpo.py --env frozen_lake
 
-support.py holds what is not MS-GRPO, one call each: caching, 4-bit on the CPU, the models, the run
-folder, the probe, the CLI. Another algorithm trains in this loop by giving train() its `update`.
+This is the plain path, the one CUDA runs. On the CPU, cpu_speedups.py swaps in the same numbers
+faster in three places (the rollouts' first forward, the update's batches, the 4-bit weights),
+each under `cfg.cpu_speedups`. support.py holds what is not MS-GRPO: the models' folders, the run
+folder, the probe, plots and the command line. Another algorithm trains in this loop by giving
+train() its `update`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import functools
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +42,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+import cpu_speedups
 import envs
 import support
 from support import read_metrics  # msgrpo.read_metrics(run_dir): a run's metrics.jsonl, as rows
@@ -74,6 +81,7 @@ class Config:
     beta: float = -1.0  # KL weight to the reference (adapter off); -1 = the game's: 0, Snake 0.1
     eps_clip: float = 0.2  # ratio clip
     gradient_checkpointing: bool = False  # on by default on CUDA (support.config_from_args)
+    cpu_speedups: bool = True  # cpu_speedups.py, the same numbers faster; CPU only, no checkpointing
     eval_every: int = 0  # 0 = evaluate only before and after training
     eval_episodes: int = 200  # held-out episodes per evaluation
     eval_batch: int = 0  # episodes in lockstep when evaluating; 0 = 64 on the CPU, 32 on CUDA
@@ -81,38 +89,49 @@ class Config:
     seed: int = 0  # random seed
     run_dir: str = ""  # "" = runs/<env>-<time>
 
-# Snake's board and step limit: the paper's 10x10, 20 steps on a GPU; 6x6, 5 steps on the CPU, as
-# with 20-100 steps a small model's episodes nearly all end in a wall: surviving is never rewarded.
-SNAKE_OPTIONS = {"cuda": {"size": 10, "max_steps": 20}, "cpu": {"size": 6, "max_steps": 5}}
-# Snake's replies are one token: a small model continues its observation's last line ("left
-# empty, down wall") past the move (66% of 6-token replies name no move, 30% of 1-token ones). One
-# phase: hotter rollouts undid the format. KL to the base: without it, "up" everywhere within 25
-# iterations. Minibatches of 16 steps, ~6 AdamW steps an iteration from the same rollouts (the clip
-# keeps each near the sampling policy): with one step an iteration it never read its neighbour line
-# in 44 iterations, and even a label on every state needed ~100 AdamW steps to teach that line.
-SNAKE_REPLY_TOKENS, SNAKE_LATE_AFTER, SNAKE_BETA, SNAKE_CPU_ITERATIONS = 1, 0, 0.1, 70
+# What Config leaves to the game and the device ("" / 0 / -1 above), as data. Each game keeps the
+# recipe it was measured to learn with (results/NOTES.md): Frozen Lake one AdamW step an iteration
+# (the ratio is exactly 1) and a hotter late phase, as a policy sure of its first move makes it in
+# all G episodes at T = 1; Snake minibatches of 16 steps (~6 AdamW steps an iteration, the clip
+# keeping each near the sampling policy: with one step it never read its neighbour line) and a KL
+# to the base (without it, "up" everywhere within 25 iterations), one phase (hotter rollouts undid
+# its format), one-token replies (a small model runs on into its observation's last line).
+GAME_DEFAULTS = {
+    "frozen_lake": {"max_new_tokens": 6, "late_after": 25, "beta": 0.0, "minibatch": 0,
+                    "iterations": {"cuda": 100, "cpu": 130}},
+    "snake": {"max_new_tokens": 1, "late_after": 0, "beta": 0.1, "minibatch": 16,
+              "iterations": {"cuda": 100, "cpu": 70}},
+}
+# Snake's board on the CPU is 6x6 with 5 steps (the paper's 10x10 and 20 on a GPU): with 20-100
+# steps a small model's episodes nearly all end in a wall, so surviving is never rewarded.
+DEVICE_DEFAULTS = {
+    "cuda": {"model": GPU_MODEL, "eval_batch": 32, "snake_options": {"size": 10, "max_steps": 20}},
+    "cpu": {"model": CPU_MODEL, "eval_batch": 64, "snake_options": {"size": 6, "max_steps": 5}},
+}
+THINKING_DEFAULTS = {"max_new_tokens": 256, "micro_batch": 4}  # a reasoned reply is long
 
 def resolve_defaults(cfg: Config) -> Config:
-    """Fill the choices that depend on the machine, so config.json records what actually ran."""
+    """Fill what Config leaves to the game and the device, so config.json records what ran."""
     if cfg.sampling not in ("aaw", "uniform", "all"):
         raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
-    cuda = torch.cuda.is_available()
-    game = envs.GAMES[cfg.env]
-    snake = issubclass(game, envs.Snake)
-    options = {**(SNAKE_OPTIONS["cuda" if cuda else "cpu"] if snake else {}), **cfg.env_options}
-    reply_tokens = 256 if cfg.think else SNAKE_REPLY_TOKENS if snake else 6
-    late_after, beta, minibatch = (SNAKE_LATE_AFTER, SNAKE_BETA, 16) if snake else (25, 0.0, 0)
-    iterations = 100 if cuda else SNAKE_CPU_ITERATIONS if snake else 130
+    device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE_DEFAULTS[device_name]
+    game_class = envs.GAMES[cfg.env]
+    snake = issubclass(game_class, envs.Snake)
+    game = GAME_DEFAULTS["snake" if snake else "frozen_lake"]
+    chosen = {**game, **(THINKING_DEFAULTS if cfg.think else {})}
     return dataclasses.replace(
-        cfg, model=cfg.model or (GPU_MODEL if cuda else CPU_MODEL), env_options=options,
-        training_start=cfg.training_start or game.training_start,
-        iterations=cfg.iterations or iterations,
-        late_after=late_after if cfg.late_after < 0 else cfg.late_after,
-        beta=beta if cfg.beta < 0 else cfg.beta,
-        minibatch=minibatch if cfg.minibatch < 0 else cfg.minibatch,
-        max_new_tokens=cfg.max_new_tokens or reply_tokens,
-        micro_batch=cfg.micro_batch or (4 if cfg.think else 16),
-        eval_batch=cfg.eval_batch or (32 if cuda else 64),
+        cfg, model=cfg.model or device["model"],
+        env_options={**(device["snake_options"] if snake else {}), **cfg.env_options},
+        training_start=cfg.training_start or game_class.training_start,
+        iterations=cfg.iterations or game["iterations"][device_name],
+        late_after=game["late_after"] if cfg.late_after < 0 else cfg.late_after,
+        beta=game["beta"] if cfg.beta < 0 else cfg.beta,
+        minibatch=game["minibatch"] if cfg.minibatch < 0 else cfg.minibatch,
+        max_new_tokens=cfg.max_new_tokens or chosen["max_new_tokens"],
+        micro_batch=cfg.micro_batch or chosen.get("micro_batch", 16),
+        eval_batch=cfg.eval_batch or device["eval_batch"],
+        cpu_speedups=cfg.cpu_speedups and device_name == "cpu" and not cfg.gradient_checkpointing,
         run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 def env_options(cfg: Config) -> dict:
@@ -179,7 +198,7 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
         path, dtype=dtype, quantization_config=quantization, device_map={"": device})
     model.requires_grad_(False)  # the base is frozen: only LoRA weights train
     if cfg.quantize and device == "cpu":
-        support.keep_4bit_weights_differentiable(model)
+        support.keep_4bit_weights_differentiable(model)  # a bitsandbytes fix, not a speed-up
     if cfg.gradient_checkpointing:  # non-reentrant: the reentrant form needs inputs that need grad
         model.activation_checkpointing_enable({"use_reentrant": False})
     if adapter is not None:
@@ -213,25 +232,70 @@ def ends_reply(ids: list[int], end_ids: set[int], tokenizer) -> bool:
     one ending here lies in the last len(ACTION_END) tokens (each writes at least one character)."""
     return ids[-1] in end_ids or ACTION_END in tokenizer.decode(ids[-len(ACTION_END):])
 
+def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / T) (T = 0: the most likely), and its log-prob.
+    Inverse transform sampling: the first token whose cumulative probability reaches a uniform
+    draw u ~ U(0, 1), one draw per row (torch.multinomial draws one exponential per vocabulary
+    entry instead: ~49k random numbers per row)."""
+    logits = logits.float()
+    if temperature <= 0:
+        logprobs = logits.log_softmax(-1)
+        token = logits.argmax(-1, keepdim=True)
+    else:
+        logprobs = (logits / temperature).log_softmax(-1)
+        cumulative = logprobs.exp().cumsum(-1)
+        if not torch.isfinite(cumulative[:, -1]).all():
+            raise FloatingPointError("the policy's next-token probabilities are not finite")
+        draw = torch.rand(len(logits), 1, device=logits.device) * cumulative[:, -1:]
+        token = torch.searchsorted(cumulative, draw).clamp(max=logits.shape[-1] - 1)
+    return token, logprobs.gather(-1, token)
+
 @torch.no_grad()
 def sample_responses(
         model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-        share_prefix: bool = True, kept_prefixes: dict | None = None,
-) -> tuple[list[list[int]], list[list[float]]]:
-    """All prompts' replies in one batch (support.sample_replies); returns the sampled ids and their
+        speedups: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
+    """Every prompt's reply, all rows one token at a time; returns the sampled ids and their
     log-probs. Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition
     penalty) with the weights the update trains, so the loss recomputes log-probs of the very
-    distribution the tokens came from; T = 0 is greedy. share_prefix=False reads every prompt
-    whole (the same numbers, slower). kept_prefixes: prefix keys and values kept from earlier
-    calls with the same weights (support.prompt_forward)."""
+    distribution the tokens came from; T = 0 is greedy. The prompts are left-padded, so every
+    row's next token goes at the last position; after the prompts' forward, each step runs only
+    the new token, attending to the keys and values already computed (the KV cache). A row's
+    reply ends at an end token or "</action>"; the loop, once every row's has (or after
+    max_new_tokens). speedups: None for this plain path; a dict for the CPU speed-ups' first
+    forward (cpu_speedups.read_prompts), which keeps the rules' keys and values in it."""
     model.eval()
+    device = next(model.parameters()).device
     end_ids = end_token_ids(model, tokenizer)
-    with support.dequantized_4bit_weights(model):
-        tokens, logprobs, lengths = support.sample_replies(
-            model, prompts, tokenizer.pad_token_id, max_new_tokens, temperature,
-            lambda ids: ends_reply(ids, end_ids, tokenizer), share_prefix, kept_prefixes)
-    return ([tokens[row, :n].tolist() for row, n in enumerate(lengths)],
-            [logprobs[row, :n].tolist() for row, n in enumerate(lengths)])
+    weights = nullcontext() if speedups is None else cpu_speedups.dequantized_4bit_weights(model)
+    with weights:
+        if speedups is None:
+            input_ids, attention_mask = support.left_pad(prompts, tokenizer.pad_token_id)
+            attention_mask = attention_mask.to(device)
+            out = model(input_ids=input_ids.to(device), attention_mask=attention_mask,
+                        position_ids=support.left_padded_positions(attention_mask),
+                        use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[:, -1], out.cache
+        else:
+            logits, cache, attention_mask = cpu_speedups.read_prompts(
+                model, prompts, tokenizer.pad_token_id, max_new_tokens, speedups)
+        position_ids = attention_mask.sum(1, keepdim=True) - 1
+        replies, logprobs = [[] for _ in prompts], [[] for _ in prompts]
+        ended = [False] * len(prompts)
+        for step in range(max_new_tokens):
+            token, logprob = sample_token(logits, temperature)
+            for row, (new, new_logprob) in enumerate(zip(token[:, 0].tolist(),
+                                                         logprob[:, 0].tolist())):
+                if not ended[row]:
+                    replies[row].append(new)
+                    logprobs[row].append(new_logprob)
+                    ended[row] = ends_reply(replies[row], end_ids, tokenizer)
+            if all(ended) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+            position_ids = position_ids + 1
+            logits = model(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
+                           cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    return replies, logprobs
 
 @dataclass
 class Episode:
@@ -256,11 +320,11 @@ def play_groups(model, tokenizer, cfg: Config, seeds: list[int],
                 for _ in range(cfg.group_size)]
     observations = [game.reset(seed=ep.seed)[0] for game, ep in zip(games, episodes)]
     bar = tqdm(desc="rollout steps", unit="step", disable=not progress, leave=False)
-    kept_prefixes = {}  # every step's prompts start with the same rules: read them once
+    speedups = {} if cfg.cpu_speedups else None  # the rules' keys and values, read once
     while live := [i for i, ep in enumerate(episodes) if not ep.done]:
         prompts = [lap_prompt_ids(tokenizer, observations[i], cfg) for i in live]
         responses, logprobs = sample_responses(model, tokenizer, prompts, cfg.max_new_tokens,
-                                               cfg.temperature, kept_prefixes=kept_prefixes)
+                                               cfg.temperature, speedups)
         for i, prompt, response, logprob in zip(live, prompts, responses, logprobs):
             episode, game = episodes[i], games[i]
             text = response_text(tokenizer, response, cfg)
@@ -320,43 +384,28 @@ def episode_steps(episodes: list[Episode], advantages: np.ndarray, chosen) -> li
 
 @dataclass
 class StepBatch:
-    """Steps as one tensor batch: prompt + response, left-padded so every response ends last. With
-    read_once, prefix_ids holds the tokens every row starts with (system prompt, rules, actions),
-    cut off the rows, and identical steps (a group starts from one observation and often answers
-    alike) share a row, step_rows saying which. Else prefix_ids is empty, step_rows the identity."""
-    input_ids: torch.Tensor  # [U, L] the distinct steps, each after the shared prefix
-    attention_mask: torch.Tensor  # [U, L] 1 on prompt and response tokens
-    response_mask: torch.Tensor  # [U, L] 1 on response tokens only: the tokens the loss trains
+    """Steps as one tensor batch: prompt + response, left-padded so every response ends last."""
+    input_ids: torch.Tensor  # [N, L]
+    attention_mask: torch.Tensor  # [N, L] 1 on prompt and response tokens
+    response_mask: torch.Tensor  # [N, L] 1 on response tokens only: the tokens the loss trains
     advantages: torch.Tensor  # [N] each step's episode advantage
-    prefix_ids: torch.Tensor  # [P] the tokens every row starts with
-    step_rows: torch.Tensor  # [N] the row of input_ids that step n reads
 
     def token_advantages(self) -> torch.Tensor:
         """The broadcast: every response token gets its episode's A_i, prompt and pad get 0."""
-        return self.advantages[:, None] * self.response_mask[self.step_rows]  # [N, L]
+        return self.advantages[:, None] * self.response_mask  # [N, L]
 
     def response_tokens(self) -> int:
-        """Response tokens over all steps, identical steps counted each time (the loss's count)."""
-        return int(self.response_mask.sum(1)[self.step_rows].sum())
+        return int(self.response_mask.sum())
 
-def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int,
-                  read_once: bool = False) -> StepBatch:
-    """steps: (prompt ids, response ids, advantage) -> StepBatch. With read_once, response_logprobs
-    hands every step its row's log-probs: the loss and its gradients are those of a row per step."""
-    distinct, step_rows = support.distinct_rows([(tuple(p), tuple(r)) for p, r, _ in steps],
-                                                dedupe=read_once)
-    sequences = [list(p + r) for p, r in distinct]
-    keep = max(len(r) for _, r in distinct) + 1  # the positions predicting a response stay in rows
-    shared = support.shared_prefix_length(sequences, keep) if read_once else 0
-    input_ids, attention_mask = support.left_pad([s[shared:] for s in sequences], pad_id)
+def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) -> StepBatch:
+    """steps: (prompt ids, response ids, advantage) -> StepBatch."""
+    input_ids, attention_mask = support.left_pad([list(p) + list(r) for p, r, _ in steps], pad_id)
     response_mask = torch.zeros_like(attention_mask)
-    for row, (_, response) in enumerate(distinct):
+    for row, (_, response, _) in enumerate(steps):
         if response:
             response_mask[row, -len(response):] = 1
     return StepBatch(input_ids, attention_mask, response_mask,
-                     advantages=torch.tensor([a for _, _, a in steps], dtype=torch.float32),
-                     prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long),
-                     step_rows=step_rows)
+                     advantages=torch.tensor([a for _, _, a in steps], dtype=torch.float32))
 
 # 7. AAW sampling: which episodes the update trains on --------------------------------------------
 def aaw_sample(advantages, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -396,74 +445,81 @@ def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
 
 def response_logprobs(model, batch: StepBatch, temperature: float):
     """Log-probs of the sampled response tokens under the current policy at temperature T, as
-    (logprobs [N, n], mask [N, n]), n the longest response: log softmax(logits / T) at each token.
-    Every response ends at the last position (left padding), so only the last n + 1 positions need
-    the vocabulary projection; the prefix all rows share is run once (support.last_logits)."""
+    (logprobs [N, n], mask [N, n]), n the longest response. Every response ends at the last
+    position (left padding), so only the last n + 1 positions need the vocabulary projection
+    (logits_to_keep): position t's logits predict token t + 1. Position ids follow the attention
+    mask, so a padded row sees the positions it was sampled at."""
     n = int(batch.response_mask.sum(1).max())
-    logits = support.last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids,
-                                 n + 1)
+    if isinstance(batch, cpu_speedups.SharedSteps):  # the CPU speed-ups' batch: same numbers
+        return cpu_speedups.response_logprobs(model, batch, n, temperature, token_logprobs)
+    device = next(model.parameters()).device
+    logits = model(input_ids=batch.input_ids.to(device),
+                   attention_mask=batch.attention_mask.to(device),
+                   position_ids=support.left_padded_positions(batch.attention_mask).to(device),
+                   logits_to_keep=n + 1).logits
+    return (token_logprobs(logits, batch.input_ids[:, -n:], temperature),
+            batch.response_mask[:, -n:].to(device))
+
+def token_logprobs(logits, targets, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) at each target token: logits [N, n + 1, V], targets [N, n]."""
     logits = logits[:, :-1].float() / max(temperature, 1e-6)
-    targets = batch.input_ids[:, -n:].to(logits.device)
-    logprobs = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
-    rows = batch.step_rows.to(logits.device)  # identical steps read one row: each gets its values
-    return logprobs[rows], batch.response_mask[:, -n:].to(logits.device)[rows]
+    targets = targets.to(logits.device)
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)
 
 # 9. Training loop: rollouts, then the update (msgrpo_update: sections 5-8), then a checkpoint ----
-def plan_minibatches(steps: list, cfg: Config, rng: np.random.Generator,
-                     read_once: bool = True) -> list[list[list]]:
-    """Shuffled minibatches of cfg.minibatch steps (an optimizer step each), cut in micro-batches
-    of at most cfg.micro_batch rows. Inside a minibatch the steps are sorted, so identical ones sit
-    side by side; with read_once they are one row (collate_steps), so a micro-batch holds
-    cfg.micro_batch distinct steps however often each repeats: fewer forwards, the same memory. A
-    minibatch's gradient is a sum over its steps, whatever their order and grouping."""
-    order = [steps[i] for i in rng.permutation(len(steps))]
-    minibatches = [sorted(mb, key=lambda step: (step[0], step[1]))
-                   for mb in support.chunks(order, cfg.minibatch)]
-    if not read_once:
-        return [list(support.chunks(mb, cfg.micro_batch)) for mb in minibatches]
-    return [support.distinct_chunks(mb, cfg.micro_batch, lambda step: (tuple(step[0]),
-                                                                        tuple(step[1])))
-            for mb in minibatches]
+def chunks(items: list, size: int) -> list[list]:
+    """Consecutive slices of `size` items (all of them in one when size is 0)."""
+    size = size if size > 0 else len(items)
+    return [items[start:start + size] for start in range(0, len(items), size)]
 
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                   rng: np.random.Generator) -> dict:
-    """epochs x minibatches of steps, each minibatch one AdamW step. With one optimizer step the
-    ratio is exactly 1, so the old log-probs are the new ones detached; otherwise a scoring pass
-    before the first step records them (the policy that sampled the rollouts)."""
+    """epochs x minibatches x micro-batches. Each minibatch of cfg.minibatch shuffled steps (all
+    if 0) is one AdamW step; its gradient is summed over micro-batches of cfg.micro_batch steps,
+    as one forward and backward of every step would be too large. Micro-batch m's loss L_m is a
+    mean over its n_m response tokens, so the minibatch's mean over all N is L = sum_m (n_m / N)
+    L_m, and each backward adds (n_m / N) dL_m. With one AdamW step the ratio is exactly 1 (the
+    old log-probs are the new ones, detached); otherwise a scoring pass first records the
+    log-probs of the policy that sampled the rollouts."""
     model.train()
-    # Gradient checkpointing recomputes each layer without its cache, so a shared prefix cannot be
-    # handed over as keys and values there: then every row is read whole.
-    read_once = not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    batches = [[collate_steps(micro, tokenizer.pad_token_id, read_once) for micro in mb]
-               for mb in plan_minibatches(steps, cfg, rng, read_once)]
-    old_logprobs = [[None] * len(mb) for mb in batches]  # None: the ratio is exactly 1
-    if cfg.epochs > 1 or len(batches) > 1:
-        with torch.no_grad(), support.dequantized_4bit_weights(model):
-            old_logprobs = [[response_logprobs(model, b, cfg.temperature)[0] for b in mb]
-                            for mb in batches]
-    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": []}
-    with support.dequantized_4bit_weights(model):  # the 4-bit layers' numbers, cheaper on the CPU
+    order = [steps[i] for i in rng.permutation(len(steps))]
+    if cfg.cpu_speedups:  # identical steps one row, the shared prefix once (cpu_speedups.py)
+        split, collate = cpu_speedups.micro_batches, cpu_speedups.collate_steps
+        weights = cpu_speedups.dequantized_4bit_weights(model)
+    else:
+        split, collate, weights = chunks, collate_steps, nullcontext()
+    minibatches = [[collate(micro, tokenizer.pad_token_id) for micro in split(mb, cfg.micro_batch)]
+                   for mb in chunks(order, cfg.minibatch)]
+    stats = {"loss": [], "kl": [], "clip_frac": [], "grad_norm": []}
+    with weights:
+        old_logprobs = [[None] * len(mb) for mb in minibatches]  # None: the ratio is exactly 1
+        if cfg.epochs > 1 or len(minibatches) > 1:
+            with torch.no_grad():
+                old_logprobs = [[response_logprobs(model, batch, cfg.temperature)[0]
+                                 for batch in mb] for mb in minibatches]
         for _ in range(cfg.epochs):
-            for minibatch, old in zip(batches, old_logprobs):
-                for name, value in optimizer_step(model, optimizer, minibatch, old, cfg).items():
+            for minibatch, old in zip(minibatches, old_logprobs):
+                optimizer.zero_grad(set_to_none=True)
+                total_tokens = sum(batch.response_tokens() for batch in minibatch)
+                logged = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0}
+                for batch, logp_old in zip(minibatch, old):
+                    loss, kl, clipped, tokens = micro_batch_loss(model, batch, logp_old, cfg)
+                    weight = tokens / total_tokens  # n_m / N
+                    (loss * weight).backward()
+                    logged["loss"] += loss.item() * weight
+                    logged["kl"] += kl.item() * weight
+                    logged["clip_frac"] += clipped / total_tokens
+                params = [p for p in model.parameters() if p.requires_grad]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+                optimizer.step()
+                for name, value in {**logged, "grad_norm": grad_norm}.items():
                     stats[name].append(value)
     return {name: float(np.mean(values)) for name, values in stats.items()}
 
-def optimizer_step(model, optimizer, minibatch: list[StepBatch], old_logprobs: list,
-                   cfg: Config) -> dict:
-    """One AdamW step on a minibatch (old_logprobs: per micro-batch, as micro_batch_loss takes
-    them); returns its loss, clip_frac, kl and grad_norm."""
-    logged = accumulate_gradients(optimizer, zip(minibatch, old_logprobs),
-                                  lambda micro: micro_batch_loss(model, *micro, cfg),
-                                  sum(b.response_tokens() for b in minibatch), cfg.eps_clip)
-    params = [p for p in model.parameters() if p.requires_grad]
-    logged["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
-    optimizer.step()
-    return logged
-
 def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
-    """One micro-batch's clipped loss (+ beta KL), as accumulate_gradients takes it. logp_old None:
-    the policy that sampled is this one, so the ratio is exactly 1."""
+    """One micro-batch's clipped loss (+ beta KL), a mean over its response tokens: (loss, kl,
+    how many tokens' ratio rho = e^(logp - logp_old) lies outside [1 - eps, 1 + eps], tokens).
+    logp_old None: the policy that sampled is this one, so the ratio is exactly 1."""
     logp, mask = response_logprobs(model, batch, cfg.temperature)
     logp_old = logp.detach() if logp_old is None else logp_old
     loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
@@ -475,26 +531,8 @@ def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
         loss = loss + cfg.beta * kl
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss.item()}")
-    return loss, logp, logp_old, mask, {"loss": loss.item(), "kl": kl.item()}
-
-def accumulate_gradients(optimizer, micro_batches, loss_of, total_tokens: int,
-                         eps_clip: float) -> dict:
-    """A minibatch's gradient, one micro-batch at a time: micro-batch m's loss L_m is a mean over
-    its n_m response tokens, so the minibatch's mean over all N is L = sum_m (n_m / N) L_m, and each
-    backward adds (n_m / N) dL_m. loss_of(micro) -> (L_m, logp, logp_old, mask, {name: a token
-    mean to log}). Returns those means over the minibatch, and clip_frac: the fraction of its
-    tokens whose ratio rho = e^(logp - logp_old) lies outside [1 - eps, 1 + eps]."""
-    optimizer.zero_grad(set_to_none=True)
-    logged = {"clip_frac": 0.0}
-    for micro in micro_batches:
-        loss, logp, logp_old, mask, means = loss_of(micro)
-        weight = mask.sum().item() / total_tokens
-        (loss * weight).backward()
-        clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > eps_clip) & mask.bool()
-        logged["clip_frac"] += clipped.sum().item() / total_tokens
-        for name, value in means.items():
-            logged[name] = logged.get(name, 0.0) + value * weight
-    return logged
+    clipped = ((torch.exp(logp.detach() - logp_old) - 1).abs() > cfg.eps_clip) & mask.bool()
+    return loss, kl, int(clipped.sum()), int(mask.sum())
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
                   rng: np.random.Generator) -> dict:
@@ -592,12 +630,12 @@ class LAPAgent:
     def __init__(self, model, tokenizer, cfg: Config, greedy: bool = True):
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.temperature = 0.0 if greedy else cfg.temperature
-        self.kept_prefixes = {}  # the rules' keys and values, for this agent's weights
+        self.speedups = {} if cfg.cpu_speedups else None  # for this agent's weights
 
     def act_batch(self, observations: list[str], infos: list[dict]) -> list[str]:
         prompts = [lap_prompt_ids(self.tokenizer, obs, self.cfg) for obs in observations]
         replies, _ = sample_responses(self.model, self.tokenizer, prompts, self.cfg.max_new_tokens,
-                                      self.temperature, kept_prefixes=self.kept_prefixes)
+                                      self.temperature, self.speedups)
         return [response_text(self.tokenizer, r, self.cfg) for r in replies]
 
     def act(self, observation: str, info: dict) -> str:
@@ -634,5 +672,5 @@ def main(argv: list[str] | None = None) -> Path:
     return train(cfg, resume=resume)
 
 if __name__ == "__main__":
-    support.run_under_jemalloc(sys.argv)
+    cpu_speedups.run_under_jemalloc(sys.argv)
     main(sys.argv[1:])
