@@ -7,8 +7,9 @@
 Rows are the agents of baselines.py (random, optimal, dqn, a zero-shot local model, trained adapters,
 an OpenAI-compatible server), columns the games of COMPARE_GAMES; each cell is a score with its 95%
 interval and its fraction of the optimum. Running again with the same --episodes (the same held-out
-seeds) recomputes only the cells asked for and keeps the others, so slow rows and fast rows can come
-from separate commands; a table of other seeds is only replaced with --replace.
+seeds) and the same --seed (the random agents') recomputes only the cells asked for and keeps the
+others, so slow rows and fast rows can come from separate commands; a table of other seeds is only
+replaced by a larger one, or with --replace.
 """
 
 import argparse
@@ -169,8 +170,10 @@ def run_comparison(args):
     seeds = envs.heldout_seeds(args.episodes)
     games = {name: COMPARE_GAMES[name] for name in args.games}
     wanted = set(args.agents) if args.agents else None
-    report = previous_report(args.out, seeds) or {"episodes": args.episodes, "seeds": [seeds[0], seeds[-1]],
-                                                  "games": {}, "results": {}, "skipped": []}
+    report = previous_report(args.out, seeds, args.seed) or {
+        "episodes": args.episodes, "seeds": [seeds[0], seeds[-1]], "agent_seed": args.seed,
+        "games": {}, "results": {}, "skipped": []}
+    report["agent_seed"] = args.seed  # recorded where a table saved before had none
     refuse_to_shrink(report, args)  # before hours of evaluations, not after
     for column, (env_name, options) in games.items():
         value, source = optimum(env_name, options, seeds)
@@ -236,8 +239,9 @@ def forget_skips(report, agent, *games):
     report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == agent and x["game"] in games)]
 
 
-def previous_report(out, seeds):
-    """The comparison already in `out` if it used the same held-out seeds, else None.
+def previous_report(out, seeds, agent_seed):
+    """The comparison already in `out` if it used the same held-out seeds and the same agent seed,
+    else None: a cell joins only a row of cells played on its own seeds.
 
     Re-running with --agents or --games then replaces those cells and keeps the others, so the
     slow rows (language models) and the fast ones can be computed by separate commands.
@@ -248,11 +252,19 @@ def previous_report(out, seeds):
         return None
     if report.get("seeds") != [seeds[0], seeds[-1]] or report.get("episodes") != len(seeds):
         return None
+    if saved_agent_seed(report) != agent_seed:
+        return None
     print(f"updating {path}: cells not recomputed now are kept")
     return report
 
 
 REPORT_KEYS = ("episodes", "seeds", "games", "results", "skipped")
+
+
+def saved_agent_seed(report):
+    """The random agents' --seed a table was played with; tables saved before it was recorded
+    were played with the default, 0."""
+    return report.get("agent_seed", 0)
 
 
 def saved_report(path):
@@ -287,9 +299,11 @@ def refuse_to_shrink(report, args):
     if saved is None:
         return
     if result_cells(report) < result_cells(saved):
-        raise SystemExit(f"{path} holds {result_cells(saved)} result cells ({saved['episodes']} episodes each) and "
-                         f"this command would replace it with {result_cells(report)}: run it with --episodes "
-                         f"{saved['episodes']} to add to that table, or add --replace to start a new one")
+        episodes, seed = saved["episodes"], saved_agent_seed(saved)
+        raise SystemExit(f"{path} holds {result_cells(saved)} result cells ({episodes} episodes "
+                         f"each, agent seed {seed}) and this command would replace it with "
+                         f"{result_cells(report)}: run it with --episodes {episodes} --seed {seed} "
+                         f"to add to that table, or add --replace to start a new one")
 
 
 def save_report(report, args):
@@ -309,8 +323,9 @@ def option_flags(options):
 
 def comparison_markdown(report):
     games = report["games"]
-    lines = [f"# Agents compared on the same held-out seeds ({report['seeds'][0]}..{report['seeds'][1]}, "
-             f"{report['episodes']} episodes per cell)", "",
+    first, last = report["seeds"]
+    lines = [f"# Agents compared on the same held-out seeds ({first}..{last}, "
+             f"{report['episodes']} episodes per cell, agent seed {saved_agent_seed(report)})", "",
              "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake scores the "
              "success rate (Wilson interval), Snake the mean return (normal interval). A cell with - was not "
              "evaluated (see Skipped at the end, or it was not asked for); a server's cell whose "
@@ -376,7 +391,8 @@ def build_parser():
     parser.add_argument("--out", default="results", help="folder for comparison.md and comparison.json")
     parser.add_argument("--replace", action="store_true",
                         help="allow replacing a table with one of fewer cells (other seeds)")
-    parser.add_argument("--seed", type=int, default=0, help="the random agent's seed")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the random agent's and Snake rules' seed, recorded with the table")
     parser.add_argument("--runs", default="runs", help="where trained DQNs are looked for (runs/dqn-*)")
     parser.add_argument("--dqn", action="append", metavar="RUN_DIR",
                         help="a trained DQN folder to use (repeatable; matched to a game by its config)")

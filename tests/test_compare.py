@@ -1,6 +1,7 @@
 """benchmarks/compare.py keeps what it has measured: its table is never half-written, a damaged one
 is named in one line, a dead server's cells say they failed, and no adapter takes another row."""
 
+import json
 import os
 import resource
 import socket
@@ -112,3 +113,48 @@ def test_episodes_beyond_the_cap_are_refused_before_any_seed_is_drawn(tmp_path, 
     message = str(stop.value.code)
     assert "--episodes" in message and "100000" in message and "\n" not in message
     assert not list(tmp_path.iterdir())
+
+
+def test_the_agent_seed_is_recorded_in_the_json_and_the_title(tmp_path):
+    report = compare.main([*FAST, "--agents", "random", "--games", "frozen_lake", "--seed", "7",
+                           "--out", str(tmp_path)])
+    assert report["agent_seed"] == 7
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert saved["agent_seed"] == 7 and saved["results"] == report["results"]
+    title = (tmp_path / "comparison.md").read_text().splitlines()[0]
+    assert title.startswith("# ") and "agent seed 7" in title
+
+
+def two_cell_table(out):
+    return compare.main([*FAST, "--agents", "random,optimal", "--games", "frozen_lake",
+                         "--out", str(out)])
+
+
+def test_a_cell_of_another_agent_seed_never_joins_the_table(tmp_path):
+    two_cell_table(tmp_path)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("comparison.json", "comparison.md")}
+    with pytest.raises(SystemExit) as stop:
+        compare.main([*FAST, "--agents", "random", "--games", "frozen_lake", "--seed", "7",
+                       "--out", str(tmp_path)])
+    message = str(stop.value.code)
+    assert "--seed 0" in message and "\n" not in message
+    assert {name: (tmp_path / name).read_bytes() for name in saved} == saved
+    replaced = compare.main([*FAST, "--agents", "random", "--games", "frozen_lake", "--seed", "7",
+                             "--out", str(tmp_path), "--replace"])
+    assert replaced["agent_seed"] == 7 and list(replaced["results"]) == ["random"]
+
+
+def test_a_table_saved_without_an_agent_seed_is_taken_as_seed_0(tmp_path):
+    two_cell_table(tmp_path)
+    path = tmp_path / "comparison.json"
+    older = json.loads(path.read_text())
+    del older["agent_seed"]
+    path.write_text(json.dumps(older))
+    updated = compare.main([*FAST, "--agents", "random", "--games", "frozen_lake",
+                            "--out", str(tmp_path)])
+    assert list(updated["results"]) == ["random", "optimal"] and updated["agent_seed"] == 0
+    path.write_text(json.dumps(older))
+    with pytest.raises(SystemExit):
+        compare.main([*FAST, "--agents", "random", "--games", "frozen_lake", "--seed", "3",
+                      "--out", str(tmp_path)])
+    assert json.loads(path.read_text()) == older
