@@ -1178,5 +1178,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    support.run_under_jemalloc(sys.argv)
+    cpu_speedups.run_under_jemalloc(sys.argv)
     main()

@@ -240,14 +240,6 @@ def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
         np.testing.assert_allclose(got, values, atol=1e-4)
 
 
-def test_shared_prefix_length_leaves_keep_tokens_of_every_row():
-    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
-    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=1) == 3
-    assert support.shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], keep=3) == 1
-    assert support.shared_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share
-    assert support.shared_prefix_length([[5, 2], [1, 2]]) == 0
-
-
 def _lap_steps(tokenizer, cfg, responses):
     """Frozen Lake steps from three maps and cells: the prompts share the system prompt and rules."""
     steps = []
@@ -281,177 +273,6 @@ def _logprobs_and_lora_grads(model, batch):
     return logp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_reading_once_gives_the_full_passs_logprobs_and_gradients():
-    """The shared prefix run once (its keys and values repeated for every row) and identical steps
-    read once must give the same per-step log-probs and the same LoRA gradients as one row per step."""
-    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
-    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"])
-    steps.append((steps[0][0], steps[0][1], 0.5))  # the same step again, from another episode
-    model.train()
-    results = {}
-    for share in (False, True):
-        batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=share)
-        assert (len(batch.prefix_ids) > 50) == share
-        assert len(batch.input_ids) == (3 if share else 4) and batch.step_rows.tolist()[-1] == (0 if share else 3)
-        assert batch.response_tokens() == sum(len(r) for _, r, _ in steps)
-        model.zero_grad()
-        logp, mask = msgrpo.response_logprobs(model, batch, 0.7)
-        loss = msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results[share] = (logp.detach(), mask, grads)
-    (full, mask, full_grads), (cached, cached_mask, cached_grads) = results[False], results[True]
-    assert torch.equal(mask, cached_mask)
-    assert (full - cached)[mask.bool()].abs().max() < 1e-4
-    for name, grad in full_grads.items():
-        torch.testing.assert_close(cached_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
-
-
-def test_reading_each_distinct_head_once_gives_the_same_logprobs_and_gradients():
-    """A group's episodes share their first prompt and differ in the reply: with the prefix tree the
-    prompt (the row but its tail) is read once for all of them, with the same log-probs and LoRA
-    gradients as reading each row after the shared prefix."""
-    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
-    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>", "up</action>"])
-    same_prompt = [(steps[0][0], tokenizer(reply, add_special_tokens=False).input_ids, advantage)
-                   for reply, advantage in [("left</action>", -1.0), ("up</action>", 0.5)]]
-    batch = msgrpo.collate_steps(steps + same_prompt, tokenizer.pad_token_id, read_once=True)
-    model.train()
-    results = {}
-    for heads_once in (False, True):
-        forward_rows = []
-        original_forward = type(model).forward
-
-        def counting_forward(self, *args, **kwargs):
-            forward_rows.append(kwargs["input_ids"].shape[0])
-            return original_forward(self, *args, **kwargs)
-
-        with mock.patch.object(support, "READ_HEADS_ONCE", heads_once), \
-                mock.patch.object(type(model), "forward", counting_forward):
-            results[heads_once] = _logprobs_and_lora_grads(model, batch)
-        # the prefix once, then (heads once) the 3 distinct prompts, then all 5 rows' tails
-        assert forward_rows == ([1, 3, 5] if heads_once else [1, 5])
-    (rows, mask, rows_grads), (heads, _, heads_grads) = results[False], results[True]
-    assert (rows - heads)[mask.bool()].abs().max() < 1e-4
-    for name, grad in rows_grads.items():
-        torch.testing.assert_close(heads_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
-
-
-def test_training_on_dequantized_weights_gives_the_4bit_layers_logprobs_and_gradients():
-    """Each 4-bit base weight dequantized once and kept must give what bitsandbytes computes, forward
-    and backward, and the layers must be bitsandbytes' own again afterwards."""
-    import bitsandbytes as bnb
-
-    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
-    batch = msgrpo.collate_steps(_lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"]),
-                                 tokenizer.pad_token_id, read_once=True)
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    model.train()
-    results = {}
-    for kept in (False, True):
-        with support.dequantized_4bit_weights(model) if kept else contextlib.nullcontext():
-            assert all(("forward" in vars(layer)) == (kept and not torch.cuda.is_available()) for layer in layers)
-            results[kept] = _logprobs_and_lora_grads(model, batch)
-    assert not any("forward" in vars(layer) for layer in layers)  # bitsandbytes' forward is back
-    (plain, mask, plain_grads), (kept, _, kept_grads) = results[False], results[True]
-    assert (plain - kept)[mask.bool()].abs().max() < 1e-5
-    assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(kept_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
-
-
-def test_onednn_linear_gives_the_default_kernels_logprobs_and_gradients():
-    """The oneDNN kernel for the kept base weights (chosen where it is faster) must give the default
-    kernel's log-probs and LoRA gradients, forward and backward, up to float rounding."""
-    if torch.cuda.is_available() or not torch.backends.mkldnn.is_available():
-        pytest.skip("oneDNN's CPU kernels only")
-    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
-    batch = msgrpo.collate_steps(_lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"]),
-                                 tokenizer.pad_token_id, read_once=True)
-    model.train()
-    results = {}
-    for onednn in (False, True):
-        with mock.patch.object(support, "onednn_is_faster", lambda shape, rows: onednn), \
-                mock.patch.object(support.OneDNNFrozenLinear, "apply",
-                                  wraps=support.OneDNNFrozenLinear.apply) as calls, \
-                support.dequantized_4bit_weights(model):
-            results[onednn] = _logprobs_and_lora_grads(model, batch)
-        assert calls.called == onednn
-    (plain, mask, plain_grads), (onednn, _, onednn_grads) = results[False], results[True]
-    assert (plain - onednn)[mask.bool()].abs().max() < 1e-4
-    assert any(grad.abs().sum() > 0 for grad in plain_grads.values())
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(onednn_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
-
-
-def test_grouped_query_attention_keeps_logprobs_and_gradients():
-    """Attention over the grouped key/value heads (no copies of them) must give the log-probs and
-    LoRA gradients of transformers' path, which copies each key/value head per query head; the
-    switch is off again afterwards."""
-    from transformers.integrations import sdpa_attention
-
-    cfg, model, tokenizer = _tiny_policy_with_a_trained_adapter()
-    assert model.config.num_attention_heads > model.config.num_key_value_heads
-    steps = _lap_steps(tokenizer, cfg, ["right</action>", "down</action>\n", "up"])
-    batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True)
-    model.train()
-    results = {}
-    for grouped in (False, True):
-        copying = mock.patch.object(sdpa_attention, "repeat_kv", wraps=sdpa_attention.repeat_kv)
-        attention = support.grouped_query_attention() if grouped else contextlib.nullcontext()
-        with copying as copies, attention:
-            results[grouped] = _logprobs_and_lora_grads(model, batch)
-        assert copies.called != grouped
-    assert support.FORCE_GQA not in os.environ
-    (copied, mask, copied_grads), (grouped, _, grouped_grads) = results[False], results[True]
-    assert (copied - grouped)[mask.bool()].abs().max() < 1e-4
-    assert any(grad.abs().sum() > 0 for grad in copied_grads.values())
-    for name, grad in copied_grads.items():
-        torch.testing.assert_close(grouped_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
-
-
-def test_onednn_linear_backward_is_the_transposed_product():
-    """dL/dx = dL/dy W, hand-checked on a 2x3 weight: y = x W^T."""
-    weight = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    x = torch.tensor([[1.0, 0.0, -1.0]], requires_grad=True)
-    y = support.OneDNNFrozenLinear.apply(x, weight, weight.t().contiguous())
-    assert torch.allclose(y, torch.tensor([[-2.0, -2.0]]))
-    y.backward(torch.tensor([[1.0, 1.0]]))
-    assert torch.allclose(x.grad, torch.tensor([[5.0, 7.0, 9.0]]))
-
-
-def test_the_kernel_is_chosen_per_power_of_two_of_rows_up_to_256():
-    """A decoding step's rows and an update's are timed apart: [batch, tokens, features] counts
-    batch x tokens rows, rounded up to a power of two."""
-    assert [support.rows_bucket(torch.zeros(*shape)) for shape in
-            [(1, 1, 7), (2, 7), (3, 5, 7), (16, 7), (17, 7), (300, 7), (64, 71, 7)]] == [1, 2, 16, 16, 32, 256, 256]
-
-
-def test_minibatches_keep_every_step_and_put_identical_steps_side_by_side():
-    steps = [([1, 2, k % 3], [7], float(k)) for k in range(10)]
-    cfg = msgrpo.Config(minibatch=5, micro_batch=2)
-    plan = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
-    assert [len(mb) for mb in plan] == [2, 2]  # two optimizer steps of 5 steps, 2 + 1 distinct prompts
-    flat = [step for mb in plan for micro in mb for step in micro]
-    assert sorted(a for _, _, a in flat) == [float(k) for k in range(10)]
-    for mb in plan:
-        prompts = [step[0] for micro in mb for step in micro]
-        assert prompts == sorted(prompts)  # identical prompts adjacent, so a micro-batch reads them once
-
-
-def test_a_micro_batch_holds_micro_batch_distinct_steps_however_often_each_repeats():
-    """Identical steps are one row of the forward, so they count once against --micro-batch; with
-    every row read whole (gradient checkpointing) each step is a row and counts."""
-    steps = [([1, 2, k % 3], [7], 1.0) for k in range(9)] + [([1, 2, 3], [8], 1.0)]
-    cfg = msgrpo.Config(minibatch=0, micro_batch=2)
-    (plan,) = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
-    assert [len(micro) for micro in plan] == [6, 4]  # prompts ending 0 and 1; then 2 and the 8 reply
-    assert [len({(tuple(p), tuple(r)) for p, r, _ in micro}) for micro in plan] == [2, 2]
-    (plan,) = msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0), read_once=False)
-    assert [len(micro) for micro in plan] == [2, 2, 2, 2, 2]
-    assert support.distinct_chunks([1, 1, 2, 3, 3, 3], 0, key=lambda x: x) == [[1, 1, 2, 3, 3, 3]]
-
-
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, group_size=2, env_options={"max_steps": 1})
@@ -476,23 +297,24 @@ def test_sampled_tokens_follow_softmax_of_the_logits_over_t():
     logits = torch.tensor([2.0, 0.5, -1.0, 1.0, 0.0])
     for temperature in (1.0, 0.5, 2.0):
         torch.manual_seed(0)
-        tokens, logprobs = support.sample_token(logits.expand(40000, 5), temperature)
+        tokens, logprobs = msgrpo.sample_token(logits.expand(40000, 5), temperature)
         expected = (logits / temperature).softmax(-1)
         frequencies = torch.bincount(tokens[:, 0], minlength=5) / 40000
         torch.testing.assert_close(frequencies, expected, atol=0.01, rtol=0)
         torch.testing.assert_close(logprobs[:, 0], expected.log()[tokens[:, 0]])
-    tokens, _ = support.sample_token(torch.stack([logits, -logits]), 0.0)
+    tokens, _ = msgrpo.sample_token(torch.stack([logits, -logits]), 0.0)
     assert tokens[:, 0].tolist() == [0, 2]
     with pytest.raises(FloatingPointError, match="not finite"):
-        support.sample_token(torch.tensor([[0.0, math.nan]]), 1.0)
+        msgrpo.sample_token(torch.tensor([[0.0, math.nan]]), 1.0)
 
 
-def test_greedy_replies_are_the_ones_transformers_generate_writes(tiny):
-    """The sampling loop (prompts read once, keys and values kept in place, one token per forward)
+@pytest.mark.parametrize("speedups", [None, {}])
+def test_greedy_replies_are_the_ones_transformers_generate_writes(tiny, speedups):
+    """The sampling loop (the KV cache, one token per forward), plain and with the CPU speed-ups,
     against model.generate on the same left-padded prompts: the same greedy tokens."""
     cfg, model, tokenizer = tiny
     prompts = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", ""])] + [[5, 6, 7]]
-    ours, _ = msgrpo.sample_responses(model, tokenizer, prompts, 5, 0.0)
+    ours, _ = msgrpo.sample_responses(model, tokenizer, prompts, 5, 0.0, speedups)
     ids, mask = support.left_pad(prompts, tokenizer.pad_token_id)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
@@ -501,66 +323,21 @@ def test_greedy_replies_are_the_ones_transformers_generate_writes(tiny):
         assert reply == theirs[:len(reply)]
 
 
-def test_each_reply_stops_where_ends_reply_says_and_the_loop_when_all_have(tiny):
+@pytest.mark.parametrize("speedups", [None, {}])
+def test_each_reply_stops_where_ends_reply_says_and_the_loop_when_all_have(tiny, monkeypatch,
+                                                                            speedups):
     cfg, model, tokenizer = tiny
     prompts = [msgrpo.lap_prompt_ids(tokenizer, f"You are at (row {r}, col 0).", cfg) for r in range(4)]
+    monkeypatch.setattr(msgrpo, "ends_reply", lambda ids, end_ids, tokenizer: ids[-1] % 3 == 0)
     torch.manual_seed(1)
-    tokens, logprobs, lengths = support.sample_replies(
-        model, prompts, tokenizer.pad_token_id, 8, 1.0, lambda ids: ids[-1] % 3 == 0)
-    for row, n in zip(tokens.tolist(), lengths):
-        ended = [j + 1 for j, token in enumerate(row) if token % 3 == 0]
-        assert n == (ended[0] if ended else len(row))
-    assert tokens.shape == logprobs.shape and tokens.shape[1] == max(lengths)
-    tokens, _, lengths = support.sample_replies(model, prompts, tokenizer.pad_token_id, 8, 1.0,
-                                                lambda ids: True)
-    assert tokens.shape == (4, 1) and lengths == [1, 1, 1, 1]
-
-
-def test_prompt_caching_samples_what_the_full_prompts_sample(tiny):
-    """Same seed, with and without the cache (the shared prefix and each distinct prompt read once):
-    the same replies and log-probs, repeated prompts included."""
-    cfg, model, tokenizer = tiny
-    four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
-    for prompts in (four + four[::-1] + four[:1], four[:1] * 3):  # 9 rows of 4 prompts; 3 rows of one
-        runs = []
-        for share in (False, True):
-            torch.manual_seed(5)
-            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, share_prefix=share))
-        (full_ids, full_logp), (cached_ids, cached_logp) = runs
-        assert full_ids == cached_ids
-        for full_row, cached_row in zip(full_logp, cached_logp):
-            np.testing.assert_allclose(cached_row, full_row, atol=1e-4)
-
-
-def test_kept_prefixes_sample_what_reading_each_call_whole_samples(tiny):
-    """A rollout's calls, one after another: the first keeps the rules' keys and values, the later
-    ones (a single prompt, whose shared prefix alone would be empty, and the prompts reversed)
-    start from them, and the replies and log-probs are those of reading every call afresh."""
-    cfg, model, tokenizer = tiny
-    four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
-    calls, kept = [four, four[:1], four[::-1]], {}
-    for prompts in calls:
-        runs = []
-        for kept_prefixes in (None, kept):
-            torch.manual_seed(5)
-            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0,
-                                                kept_prefixes=kept_prefixes))
-        (afresh_ids, afresh_logp), (kept_ids, kept_logp) = runs
-        assert kept_ids == afresh_ids
-        for afresh_row, kept_row in zip(afresh_logp, kept_logp):
-            np.testing.assert_allclose(kept_row, afresh_row, atol=1e-4)
-    assert len(kept) == 1  # computed by the first call, found by the others
-    (prefix,) = kept
-    assert len(prefix) == support.shared_prefix_length(four) > 0
-
-
-def test_kept_prefix_is_the_longest_one_every_prompt_goes_past():
-    kept = {(1, 2): None, (1, 2, 3): None, (9,): None}
-    assert support.kept_prefix(kept, [(1, 2, 3, 4), (1, 2, 3, 5)]) == (1, 2, 3)
-    assert support.kept_prefix(kept, [(1, 2, 3, 4), (1, 2, 7)]) == (1, 2)
-    assert support.kept_prefix(kept, [(1, 2, 3)]) == (1, 2)  # a prompt must go past it
-    assert support.kept_prefix(kept, [(1, 2, 3, 4), (8,)]) == ()
-    assert support.kept_prefix({}, [(1, 2)]) == ()
+    replies, logprobs = msgrpo.sample_responses(model, tokenizer, prompts, 8, 1.0, speedups)
+    assert [len(r) for r in replies] == [len(lp) for lp in logprobs]
+    for reply in replies:  # each stops at its first token divisible by 3, or after 8 tokens
+        ended = [j + 1 for j, token in enumerate(reply) if token % 3 == 0]
+        assert len(reply) == (ended[0] if ended else 8)
+    monkeypatch.setattr(msgrpo, "ends_reply", lambda ids, end_ids, tokenizer: True)
+    replies, _ = msgrpo.sample_responses(model, tokenizer, prompts, 8, 1.0, speedups)
+    assert [len(r) for r in replies] == [1, 1, 1, 1]
 
 
 def test_a_reply_ends_at_an_end_token_or_the_token_that_completes_action_end(tiny):
@@ -761,26 +538,6 @@ def test_gradients_are_the_same_before_and_after_sampling():
         torch.testing.assert_close(after[name], before[name], rtol=1e-4, atol=1e-7)
 
 
-def test_sampling_and_training_leave_the_4bit_layers_as_they_were(tiny):
-    """Rollouts and the update run each 4-bit layer with its kept dequantized weight; afterwards,
-    and after the same context entered inside itself, the layers are bitsandbytes' own again."""
-    import bitsandbytes as bnb
-
-    cfg, model, tokenizer = tiny
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    before = [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers]
-    prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
-    msgrpo.sample_responses(model, tokenizer, [prompt], 4, 1.0)
-    shadowed = lambda: [("forward" in vars(m)) for m in layers]  # noqa: E731
-    assert layers and not any(shadowed())
-    with support.dequantized_4bit_weights(model):
-        with support.dequantized_4bit_weights(model):
-            pass
-        assert all(shadowed()) == (not torch.cuda.is_available())
-    assert not any(shadowed())
-    assert [(m.weight.data.data_ptr(), m.weight.quant_state) for m in layers] == before
-
-
 def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
     cfg, model, tokenizer = tiny
     cfg = msgrpo.dataclasses.replace(cfg, beta=0.1, lr=5e-2, epochs=3)
@@ -950,20 +707,3 @@ def test_sampled_evaluation_plays_at_temperature_one_whatever_the_rollouts_explo
     result = msgrpo.evaluate_greedy_and_sampled(None, None, cfg)
     assert played == [(True, 2.0), (False, 1.0)] and "sampled" in result
 
-
-def test_the_command_starts_again_under_jemalloc_once_where_the_system_has_it(monkeypatch):
-    started = []
-    monkeypatch.setattr(support.os, "execve", lambda *args: started.append(args))
-    monkeypatch.setattr("ctypes.util.find_library", lambda name: f"lib{name}.so.2")
-    monkeypatch.setattr(support.sys, "platform", "linux")
-    monkeypatch.setenv("LD_PRELOAD", "libother.so")
-    support.run_under_jemalloc(["msgrpo.py", "--env", "snake"])
-    ((executable, argv, env),) = started
-    assert argv == [executable, "msgrpo.py", "--env", "snake"]
-    assert env["LD_PRELOAD"] == "libjemalloc.so.2 libother.so"
-    monkeypatch.setenv("LD_PRELOAD", env["LD_PRELOAD"])  # the started process: runs as is
-    support.run_under_jemalloc(["msgrpo.py"])
-    monkeypatch.setattr("ctypes.util.find_library", lambda name: None)  # no jemalloc: runs as is
-    monkeypatch.delenv("LD_PRELOAD")
-    support.run_under_jemalloc(["msgrpo.py"])
-    assert len(started) == 1
