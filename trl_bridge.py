@@ -18,12 +18,18 @@ several GPUs (accelerate launch) and can sample with vLLM. In the order data flo
     python trl_bridge.py --env frozen_lake --max_steps 100 --output_dir trl-frozen_lake
 
 Every GRPOConfig setting is a flag (--num_generations, --use_vllm, ...); the game's are GameArgs.
+They are checked as msgrpo.py checks its own, before any model loads; --output_dir must be new,
+empty or an earlier output of this command, never an msgrpo.py run or a model's folder.
 What differs from msgrpo.py, and the multi-GPU commands: README.md, "TRL's GRPOTrainer".
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +39,7 @@ import torch
 
 import envs
 import msgrpo
+import support
 
 
 # ---- Prompts: a row is a start seed ---------------------------------------------------------
@@ -322,13 +329,138 @@ def game_config(game: GameArgs, args) -> msgrpo.Config:
         eval_episodes=game.eval_episodes, run_dir=args.output_dir))
 
 
+# ---- Checks before any model loads: msgrpo.py's, on this command line's flags ------------------
+# The settings of msgrpo's Config that come from a flag here, checked by support.SETTING_RANGES.
+BRIDGE_FLAGS = {"lora_r": "--lora_r", "max_new_tokens": "--reply_tokens",
+                "group_size": "--num_generations", "eval_episodes": "--eval_episodes"}
+# Transformers seeds numpy's global generator with --seed, which takes 0 .. 2**32 - 1 only.
+SEED_LIMIT = 2**32
+# Held-out episodes: beyond this, days of play; in the billions, a list of seeds fills the memory.
+MAX_EVAL_EPISODES = 100_000
+KNOWN_MODELS = ("smollm2-135m", "tiny")
+
+
+def fail(message: str):
+    raise SystemExit(f"error: {message}")
+
+
+def model_problem(name: str) -> str:
+    """Why --model names no model this can load, or "": a known name, a hub id (owner/name) or a
+    folder that holds a transformers model."""
+    if name in KNOWN_MODELS:
+        return ""
+    if problem := support.model_folder_problem(name):
+        return problem
+    if support.looks_like_a_folder(name) or "/" in name:
+        return ""  # a model folder, or a hub id: transformers fetches it
+    if Path(name).is_dir():
+        return support.model_folder_problem(f"./{name}")
+    return (f"{name} is neither {' nor '.join(KNOWN_MODELS)}, a hub id (owner/name) nor a model "
+            f"folder")
+
+
+def checked_game_config(game: GameArgs, flags) -> msgrpo.Config:
+    """game_config, each flag checked first as msgrpo.py checks its own (support.validate_config):
+    one line and exit on the first bad one. flags: the parsed command line (num_generations, seed,
+    output_dir)."""
+    if game.env not in envs.GAMES:
+        fail(f"--env {game.env}: valid envs: {', '.join(envs.ENV_NAMES)}")
+    try:
+        pairs = [support.parse_env_option(text) for text in game.env_opt]
+        envs.options_from_text(game.env, pairs)
+    except (argparse.ArgumentTypeError, ValueError) as error:
+        fail(f"--env_opt: {error}")
+    starts = envs.GAMES[game.env].starts
+    if game.training_start and game.training_start not in starts:
+        fail(f"--training_start is {game.training_start}; for {game.env} it must be one of "
+             f"{', '.join(starts)}")
+    if game.reply_tokens < 0:
+        fail(f"--reply_tokens is {game.reply_tokens}; it must be at least 0 (0: msgrpo's)")
+    if not 1 <= game.start_seeds <= envs.HELDOUT_SEED_START:  # more would repeat training seeds
+        fail(f"--start_seeds is {game.start_seeds}; it must be from 1 to "
+             f"{envs.HELDOUT_SEED_START}, the training seeds there are")
+    if not 0 <= flags.seed < SEED_LIMIT:
+        fail(f"--seed is {flags.seed}; it must be from 0 to {SEED_LIMIT - 1}")
+    if game.eval_episodes > MAX_EVAL_EPISODES:
+        fail(f"--eval_episodes is {game.eval_episodes}; it must be at most {MAX_EVAL_EPISODES}")
+    cfg = game_config(game, flags)
+    for name, flag in BRIDGE_FLAGS.items():
+        value = getattr(cfg, name)
+        allowed, what = support.SETTING_RANGES[name]
+        if not (math.isfinite(value) and allowed(value)):
+            fail(f"{flag} is {value}; it must be {what}")
+    for options in (msgrpo.env_options(cfg), msgrpo.training_env_options(cfg)):
+        try:
+            game_made = envs.make(cfg.env, **options)
+        except ValueError as error:
+            fail(f"--env_opt: {error}")
+    if warning := envs.pointless_options_warning(game_made):
+        print(f"{cfg.env}: {warning}", file=sys.stderr)
+    if problem := model_problem(cfg.model):
+        fail(f"--model {problem}")
+    if problem := output_dir_problem(Path(flags.output_dir)):
+        fail(f"--output_dir {flags.output_dir} {problem}")
+    return cfg
+
+
+# ---- The output folder: written only if new, empty or this command's own earlier output ---------
+CHECKPOINT_FOLDER = re.compile(r"checkpoint-\d+")  # the trainer's save every save_steps
+TRL_OUTPUT_FILES = ("adapter_config.json", "adapter_model.safetensors", "training_args.bin",
+                    "trainer_state.json")
+EVAL_KEYS = {"with_history", "current_state_only"}  # evaluate_both_ways's eval.json
+
+
+def read_json(path: Path):
+    """path's JSON, or None where it is no JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def output_dir_problem(folder: Path) -> str:
+    """Why the trainer may not write `folder`, or "". Its save_model and eval.json would replace an
+    msgrpo.py run's files (the run then no longer resumes) or a model's, so a folder that holds
+    anything but an earlier output of this command is refused."""
+    if folder.exists() and not folder.is_dir():
+        return "is a file"
+    if (blocked := support.unwritable_folder(folder)) is not None:
+        return f"cannot be written: {blocked} is not writable"
+    names = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
+    if not names:
+        return ""
+    config = read_json(folder / "config.json") if "config.json" in names else None
+    evaluation = read_json(folder / "eval.json") if "eval.json" in names else None
+    ours_eval = isinstance(evaluation, dict) and EVAL_KEYS <= set(evaluation)
+    run_files = [name for name in (*support.RUN_FILES, support.LOCK_FILE) if name in names
+                 and name not in ("config.json", "eval.json")]
+    if (isinstance(config, dict) and "env" in config) or run_files \
+            or ("eval.json" in names and not ours_eval):
+        return "holds an msgrpo.py run: train into a new or empty --output_dir"
+    ours = ours_eval or any(name in TRL_OUTPUT_FILES or CHECKPOINT_FOLDER.fullmatch(name)
+                            for name in names)
+    if "config.json" in names and not ours:
+        return "holds a model (its config.json): train into a new or empty --output_dir"
+    if not ours:
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        return (f"holds files that are no output of trl_bridge.py ({shown}): train into a new or "
+                f"empty --output_dir")
+    return ""
+
+
 def main(argv: list[str] | None = None):
     from transformers import HfArgumentParser
     from trl import GRPOConfig
     parser = HfArgumentParser((GameArgs, GRPOConfig))
     parser.set_defaults(**bridge_defaults(torch.cuda.is_available()))
-    game, args = parser.parse_args_into_dataclasses(argv)
-    cfg = game_config(game, args)
+    # The flags are checked before GRPOConfig is made: it checks a few itself, with a traceback.
+    flags = parser.parse_args(argv)
+    game = GameArgs(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(GameArgs)})
+    cfg = checked_game_config(game, flags)
+    try:
+        _, args = parser.parse_args_into_dataclasses(argv)
+    except ValueError as error:
+        fail(support.one_line(error))
     # TRL's vLLM samples each reply with max_completion_length tokens, stopped after </action>
     args.max_completion_length = cfg.max_new_tokens
     if args.use_vllm:

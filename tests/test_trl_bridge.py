@@ -163,3 +163,89 @@ def test_the_lora_weights_change_and_stay_fp32(run):
     assert all(p.dtype == torch.float32 for p in after.values())
     changed = [n for n in after if not torch.equal(after[n], run.lora_before[n])]
     assert any("lora_B" in n for n in changed)
+
+
+# ---- The command line: every flag and the output folder checked before any model loads ----------
+class ReachedTheTrainer(Exception):
+    pass
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """main() up to the trainer: loading the model or making the trainer stops it."""
+    def refuse(*args, **kwargs):
+        raise ReachedTheTrainer
+
+    monkeypatch.setattr(msgrpo, "load_policy", refuse)
+    monkeypatch.setattr(trl_bridge, "make_trainer", refuse)
+
+
+def bridge_argv(output_dir, *flags):
+    return ["--model", "tiny", "--output_dir", str(output_dir), "--num_generations", "2",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", *flags]
+
+
+def stopped_in_one_line(argv) -> str:
+    with pytest.raises(SystemExit) as stop:
+        trl_bridge.main(argv)
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--env", "bogus"], "--env bogus"), (["--env_opt", "size=abc"], "size"),
+    (["--env_opt", "size"], "KEY=VALUE"), (["--env_opt", "size=3000"], "size"),
+    (["--env", "snake", "--env_opt", "apples=3000000000"], "apples"),
+    (["--lora_r", "0"], "--lora_r"), (["--num_generations", "1"], "--num_generations"),
+    (["--num_generations", "0"], "--num_generations"), (["--reply_tokens", "-1"], "--reply_tokens"),
+    (["--seed", "-1"], "--seed"), (["--seed", str(2**32)], "--seed"),
+    (["--start_seeds", "0"], "--start_seeds"), (["--eval_episodes", "-1"], "--eval_episodes"),
+    (["--training_start", "corner"], "--training_start"), (["--model", "bogus"], "--model"),
+    (["--model", "/nowhere/model"], "--model")])
+def test_a_bad_flag_stops_in_one_line_before_any_model_loads(tmp_path, no_model, flags, named):
+    message = stopped_in_one_line(bridge_argv(tmp_path / "out", *flags))
+    assert named in message
+    assert not (tmp_path / "out").exists()
+
+
+FOREIGN_FOLDERS = {
+    "msgrpo run": {"config.json": '{"env": "frozen_lake", "lora_r": 8}', "metrics.jsonl": "{}\n",
+                   "checkpoint.pt": "weights", "eval.json": '[{"iteration": 0}]'},
+    "msgrpo eval only": {"eval.json": '[{"iteration": 0, "success_rate": 0.5}]'},
+    "model": {"config.json": '{"model_type": "llama"}', "model.safetensors": "weights"},
+    "other files": {"notes.txt": "mine"},
+}
+
+
+def folder_with(folder, files):
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    return {name: (folder / name).read_text() for name in files}
+
+
+@pytest.mark.parametrize("kind", FOREIGN_FOLDERS)
+def test_an_output_dir_that_holds_something_else_is_never_written(tmp_path, no_model, kind):
+    folder = tmp_path / "theirs"
+    before = folder_with(folder, FOREIGN_FOLDERS[kind])
+    message = stopped_in_one_line(bridge_argv(folder))
+    assert "--output_dir" in message and str(folder) in message
+    assert {name: (folder / name).read_text() for name in before} == before
+    assert sorted(path.name for path in folder.iterdir()) == sorted(before)
+
+
+TRL_OUTPUT = {"adapter_config.json": "{}", "adapter_model.safetensors": "weights",
+              "training_args.bin": "args", "checkpoint-25/trainer_state.json": "{}",
+              "eval.json": '{"with_history": {}, "current_state_only": {}}'}
+
+
+@pytest.mark.parametrize("files", [None, {}, TRL_OUTPUT], ids=["new", "empty", "trl output"])
+def test_a_new_or_empty_folder_or_an_earlier_trl_output_is_trained_into(tmp_path, no_model,
+                                                                       files):
+    folder = tmp_path / "out"
+    if files is not None:
+        folder_with(folder, files)
+    with pytest.raises(ReachedTheTrainer):
+        trl_bridge.main(bridge_argv(folder))
