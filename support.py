@@ -176,10 +176,12 @@ def lock_run_folder(run_dir: Path):
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(path, "a+")
+        # O_NOFOLLOW: a lock that is a link fails here; truncating it would empty its target
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
+        lock = os.fdopen(os.open(path, flags, 0o644), "a+")
         while not locked_here(lock, path):  # the owner deleted it between our open and our lock
             lock.close()
-            lock = open(path, "a+")
+            lock = os.fdopen(os.open(path, flags, 0o644), "a+")
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
@@ -923,6 +925,14 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
         fail(f"--run-dir {run_dir} is a file, not a folder")
     if (folder := unwritable_folder(run_dir)) is not None:
         fail(f"cannot write in {folder}, where the run {run_dir} is saved")
+    # Only a run's own files are ever written or deleted there: never a model's or anyone else's.
+    for path in sorted(run_dir.iterdir()) if run_dir.is_dir() else []:
+        if path.is_symlink() or path.name.removesuffix(".tmp") not in RUN_FILES + (LOCK_FILE,):
+            fail(f"{run_dir} holds {path.name}{' (a link)' * path.is_symlink()}, which no run "
+                 f"writes: choose another --run-dir (--overwrite deletes only a run's files)")
+    if not isinstance(config := load_json(run_dir / "config.json", {"env": ""}), dict) or (
+            "env" not in config):
+        fail(f"{run_dir / 'config.json'} is not a run's (no env in it): choose another --run-dir")
     if resume:
         checkpoint = load_checkpoint(run_dir)
         if checkpoint is None:

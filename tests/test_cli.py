@@ -232,3 +232,36 @@ def test_baselines_names_a_missing_adapter_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         baselines.main(["--agent", "llm", "--adapter", str(tmp_path / "nowhere")])
     assert str(tmp_path / "nowhere") in capsys.readouterr().err
+
+
+def files_in(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("foreign", [{"config.json": '{"model_type": "llama"}', "model.safetensors": "weights"},
+                                     {"config.json": '{"model_type": "llama"}'}, {"notes.txt": "mine"}])
+def test_a_folder_that_holds_something_else_than_a_run_is_never_written(saved_run, foreign):
+    """A model's folder (its config.json has no env) or a run with a file of someone else's: no new
+    run, --overwrite or --resume writes there, and nothing in it is deleted."""
+    if "config.json" in foreign:
+        for path in saved_run.iterdir():
+            path.unlink()
+    for name, text in foreign.items():
+        (saved_run / name).write_text(text)
+    before = files_in(saved_run)
+    for argv in (["--run-dir", str(saved_run)], ["--run-dir", str(saved_run), "--overwrite"],
+                 ["--resume", str(saved_run)]):
+        message = stopped(argv + ["--model", "tiny"] * (argv[0] == "--run-dir"))
+        assert str(saved_run) in message and any(name in message for name in foreign)
+    assert files_in(saved_run) == before
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_what_it_points_to_is_untouched(saved_run, tmp_path):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a lock")
+    (saved_run / support.LOCK_FILE).symlink_to(precious)
+    assert support.LOCK_FILE in stopped(["--resume", str(saved_run)])
+    with pytest.raises(SystemExit, match=support.LOCK_FILE):  # opened without following the link
+        with support.owned_run_folder(saved_run):
+            pass
+    assert precious.read_text() == "not a lock" and (saved_run / support.LOCK_FILE).is_symlink()
