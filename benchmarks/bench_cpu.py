@@ -1,67 +1,88 @@
-"""A rollout step and a trained step, before and after the latest speed-ups, side by side.
+"""The CPU speed-ups against the plain path: a rollout step and a trained step, side by side.
 
     python benchmarks/bench_cpu.py --out results/bench_cpu.md   # SmolLM2-135M, the trained adapter
-    python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4
+    python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4   # a quick check
 
-The steps are real MS-GRPO rollouts (B groups x G episodes in lockstep) of a trained policy
-(--adapter; the committed Frozen Lake adapter by default), whose groups repeat themselves as a
-trained policy's do. Two ways to run them:
-    before   rollouts sampled by transformers' generate (generate_sampling.py) on bitsandbytes'
-             packed CPU 4-bit layout; training in micro-batches of --micro-batch steps, the
-             identical steps inside one read once, each 4-bit base weight dequantized once, each
-             row's tokens after the shared prefix read whole; in both, the prefix that every
-             prompt shares read once (prefix caching)
-    after    rollouts by support.sample_replies: keys and values kept in place rather than copied
-             as they grow, one uniform draw per token rather than one per vocabulary entry, on the
-             dequantized weights the update trains (so no longer rounded differently from them),
-             the rules' keys and values kept from one lockstep call to the next (kept_prefixes);
-             training in micro-batches of --micro-batch distinct steps (identical steps are one
-             row however often they repeat: fewer forwards) and the prefix tree
-             (support.read_heads_once: a prompt that several steps share is read once, their
-             replies after it); in both, the base weights' matmuls through oneDNN where that
-             kernel times faster for the shape and row count (support.onednn_is_faster); and
-             attention over the 3 key/value heads as they are rather than copied to the 9 query
-             heads (support.grouped_query_attention). The same numbers as the plain path, within
-             float rounding (tests/test_msgrpo.py checks 1e-4)
-(a) a rollout step: seconds per env step of the rollouts;
-(b) a trained step: forward + backward over every step of those rollouts, in the update's
-    micro-batches, seconds per step; and the peak resident memory while it runs (sampled from
-    /proc every 5 ms; the process's model copies included);
-(c) the peak resident memory of the update on a first iteration's varied steps (the base model's
-    at T = 1), whose micro-batches hold --micro-batch distinct steps each: the update's true peak.
-The memory allocator is a process's, so it cannot be switched side by side: the command runs
-under jemalloc as msgrpo.py does where the system has it (results/NOTES.md compares the two).
-Each is timed --repeats times (the median is reported). Prints a Markdown table with the
-speed-up of "after"; --out writes it to a file too.
+One model and one set of steps, played and trained both ways (msgrpo.Config.cpu_speedups):
+    plain       msgrpo.py as CUDA runs it (cpu_speedups=False; python msgrpo.py --no-cpu-speedups):
+                the sampling loop msgrpo.sample_responses reading every prompt whole, on
+                bitsandbytes' 4-bit layers, which dequantize each weight in every forward and again
+                in every backward; the update in micro-batches of --micro-batch steps
+                (msgrpo.chunks, msgrpo.collate_steps), every step a row of its own, read whole;
+                attention as transformers runs it given a mask (each key/value head copied per
+                query head)
+    speed-ups   the same functions with cpu_speedups.py swapped in (cpu_speedups=True, the CPU's
+                default): each 4-bit weight dequantized once and kept, multiplied by oneDNN where
+                that kernel times faster, attention over the grouped key/value heads
+                (dequantized_4bit_weights); the rollouts' first forward reading each distinct prompt
+                once and the rules every prompt starts with once a rollout (read_prompts); the
+                update in micro-batches of --micro-batch distinct steps, identical steps one row,
+                the prefix every step shares read once, then a prefix tree (micro_batches,
+                collate_steps, response_logprobs)
+The two compute the same numbers up to float rounding (tests/test_cpu_speedups.py); the table's
+gradient norm, of the same steps on each side, shows it here.
+
+(a) a rollout step: msgrpo.play_groups of a trained policy (--adapter; the committed Frozen Lake
+    adapter by default, whose groups repeat themselves as a trained policy's do), --groups groups x
+    --group-size episodes in lockstep at --temperature; seconds per env step;
+(b) a trained step: msgrpo.update_policy over every step of the plain side's rollouts, with
+    advantages +1 and -1 in turn and AdamW at learning rate 0, so both sides train the same steps
+    on the same weights; seconds per step; and the peak resident memory while it runs (sampled
+    from /proc every 5 ms; the process's model copies included);
+(c) the peak resident memory of msgrpo.update_policy on a first iteration's varied steps (the base
+    model's, at T = 1), whose micro-batches hold --micro-batch distinct steps each: the update's
+    true peak.
+The plain side runs first, so the speed-ups' kept fp32 weights are not in its memory, and before
+each memory measure the allocator hands back what was freed (release_freed_memory), so one side's
+leftovers are not counted in the other's peak. (a) and (b) are timed --repeats times after an
+untimed run (oneDNN's timings and the kept weights are made once); the median is reported. The
+memory allocator is a process's, so it cannot be switched side by side: the command runs under
+jemalloc as msgrpo.py does where the system has it (results/NOTES.md compares the two). Prints a
+Markdown table, measure | plain | speed-ups, with plain / speed-ups in bold (how many times
+faster, or how many times less memory); --out writes it to a file too.
 """
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import functools
+import gc
 import os
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import generate_sampling  # noqa: E402
+import cpu_speedups  # noqa: E402
 import msgrpo  # noqa: E402
-import support  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ADAPTER = ROOT / "results" / "frozen_lake_cpu" / "adapter"
+SIDES = ("plain", "speed-ups")
 
 
 def allocator() -> str:
-    """jemalloc where this process runs under it (support.run_under_jemalloc), else libc's."""
+    """jemalloc where this process runs under it (cpu_speedups.run_under_jemalloc), else libc's."""
     return "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "libc's malloc"
+
+
+def release_freed_memory() -> None:
+    """Hand the memory of freed tensors back to the system: both allocators keep some for reuse,
+    and the process's resident memory would then carry one measure's peak into the next."""
+    gc.collect()
+    process = ctypes.CDLL(None)
+    if allocator() == "jemalloc":
+        mallctl = getattr(process, "mallctl", None)
+        if mallctl is not None:  # every arena (MALLCTL_ARENAS_ALL = 4096)
+            mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(ctypes.c_size_t(0))
 
 
 def resident_mb() -> float:
@@ -89,49 +110,15 @@ def peak_resident_mb(peak: list):
 
 
 def median_seconds_per_item(function, repeats: int) -> float:
-    """function() -> how many items (env steps, trained steps) it did; median seconds per item."""
+    """function() -> how many items (env steps, trained steps) it did; median seconds per item,
+    after one untimed call (the first builds what later calls reuse)."""
+    function()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         items = function()
         times.append((time.perf_counter() - start) / items)
     return statistics.median(times)
-
-
-@contextlib.contextmanager
-def levers(on: bool):
-    """The sampling loop, micro-batches of distinct steps, the prefix tree, the oneDNN kernel and
-    attention over grouped heads on (as the trainer runs) or off (the code before)."""
-    if on:
-        yield
-        return
-    with mock.patch.object(support, "READ_HEADS_ONCE", False), \
-            mock.patch.object(support, "onednn_is_faster", lambda shape, rows: False), \
-            mock.patch.object(msgrpo, "sample_responses", generate_sampling.sample_responses), \
-            mock.patch.object(support, "distinct_chunks", steps_chunks), \
-            mock.patch.object(support, "grouped_query_attention", copied_heads):
-        yield
-
-
-def copied_heads():
-    """Attention as transformers runs it given a mask: each key/value head copied per query head
-    (the code before)."""
-    return contextlib.nullcontext()
-
-
-def steps_chunks(items: list, size: int, key) -> list[list]:
-    """Micro-batches of `size` steps, identical ones counted each time (the code before)."""
-    return list(support.chunks(items, size))
-
-
-def first_iteration_steps(model, tokenizer, cfg, seeds) -> list:
-    """Steps as varied as a first iteration's: the base model (the adapter switched off) plays at
-    T = 1, so every micro-batch holds --micro-batch distinct steps, the update's memory peak."""
-    torch.manual_seed(0)
-    with model.disable_adapter():
-        episodes = msgrpo.play_groups(model, tokenizer, dataclasses.replace(cfg, temperature=1.0),
-                                      seeds)
-    return steps_of(episodes)
 
 
 def steps_of(episodes) -> list:
@@ -141,28 +128,81 @@ def steps_of(episodes) -> list:
     return msgrpo.episode_steps(episodes, advantages, range(len(episodes)))
 
 
-def env_steps_played(model, tokenizer, cfg, seeds) -> int:
+def play(model, tokenizer, cfg, seeds) -> list:
     torch.manual_seed(0)
-    return sum(len(ep.rewards) for ep in msgrpo.play_groups(model, tokenizer, cfg, seeds))
+    return msgrpo.play_groups(model, tokenizer, cfg, seeds)
 
 
-def trained_steps(model, tokenizer, cfg, steps) -> int:
-    """Forward + backward over every step, in the update's micro-batches (no optimizer step);
-    returns the number of steps."""
-    model.train()
-    with support.dequantized_4bit_weights(model):
-        for minibatch in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0)):
-            model.zero_grad(set_to_none=True)
-            for micro in minibatch:
-                batch = msgrpo.collate_steps(micro, tokenizer.pad_token_id, read_once=True)
-                logp, mask = msgrpo.response_logprobs(model, batch, cfg.temperature)
-                msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
+def first_iteration_steps(model, tokenizer, cfg, seeds) -> list:
+    """Steps as varied as a first iteration's: the base model (the adapter switched off) plays at
+    T = 1, so every micro-batch holds --micro-batch distinct steps, the update's memory peak."""
+    with model.disable_adapter():
+        return steps_of(play(model, tokenizer, dataclasses.replace(cfg, temperature=1.0), seeds))
+
+
+def env_steps_played(model, tokenizer, cfg, seeds) -> int:
+    return sum(len(ep.rewards) for ep in play(model, tokenizer, cfg, seeds))
+
+
+def train(model, tokenizer, cfg, steps, grad_norms: list) -> int:
+    """msgrpo.update_policy over every step, in the update's micro-batches, with AdamW at learning
+    rate 0: the forward, backward and optimizer step of an update, the weights left as they were
+    (so each side and each repeat trains the same policy). Returns the number of steps."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    stats = msgrpo.update_policy(model, optimizer, tokenizer, steps, cfg, np.random.default_rng(0))
+    grad_norms.append(stats["grad_norm"])
     return len(steps)
+
+
+def micro_batch_rows(steps, cfg) -> list[int]:
+    """The rows of each of the update's micro-batches on this side, cut as update_policy cuts them
+    (the same shuffle): steps on the plain side, distinct steps with the speed-ups."""
+    order = [steps[i] for i in np.random.default_rng(0).permutation(len(steps))]
+    split = cpu_speedups.micro_batches if cfg.cpu_speedups else msgrpo.chunks
+    return [len({(tuple(p), tuple(r)) for p, r, _ in micro}) if cfg.cpu_speedups else len(micro)
+            for minibatch in msgrpo.chunks(order, cfg.minibatch)
+            for micro in split(minibatch, cfg.micro_batch)]
+
+
+def measure(model, tokenizer, cfg, seeds, steps, varied, repeats: int) -> dict:
+    """(a), (b) and (c) on one side (cfg.cpu_speedups)."""
+    rollout = median_seconds_per_item(
+        functools.partial(env_steps_played, model, tokenizer, cfg, seeds), repeats)
+    peak, grad_norms = [], []
+    release_freed_memory()
+    with peak_resident_mb(peak):
+        trained = median_seconds_per_item(
+            functools.partial(train, model, tokenizer, cfg, steps, grad_norms), repeats)
+    release_freed_memory()
+    with peak_resident_mb(peak):
+        train(model, tokenizer, cfg, varied, [])
+    return {"rollout": rollout, "trained": trained, "peak_mb": peak[0],
+            "first_iteration_peak_mb": peak[1], "grad_norm": grad_norms[-1]}
+
+
+def table(results: dict, header: str) -> str:
+    plain = results["plain"]
+
+    def cells(name, digits):
+        return " | ".join(f"{values[name]:,.{digits}f}"
+                          + (f" (**{plain[name] / values[name]:.2f}x**)" if side != "plain" else "")
+                          for side, values in results.items())
+
+    return "\n".join([
+        header, "",
+        "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),
+        f"| (a) rollout step (s per env step) | {cells('rollout', 3)} |",
+        f"| (b) trained step (s per step) | {cells('trained', 3)} |",
+        f"| (b) peak memory while training (MB) | {cells('peak_mb', 0)} |",
+        f"| (c) peak memory, a first iteration's varied steps (MB) | "
+        f"{cells('first_iteration_peak_mb', 0)} |",
+        "| (b) gradient norm of the same steps (the same numbers) | "
+        + " | ".join(f"{values['grad_norm']:.5f}" for values in results.values()) + " |"])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=msgrpo.CPU_MODEL)
     parser.add_argument("--adapter", type=Path,
                         help="the policy that plays (default: the committed "
                         "Frozen Lake adapter with smollm2-135m, a new one otherwise)")
@@ -173,74 +213,52 @@ def main(argv=None):
                              "T = 1 a trained policy plays a group's episodes alike")
     parser.add_argument("--max-steps", type=int, default=8,
                         help="the game's step limit for these rollouts")
+    parser.add_argument("--micro-batch", type=int, default=0,
+                        help="the update's micro-batch: steps (plain), distinct steps (speed-ups); "
+                             "0 = the trainer's default")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timings per measure (the median is reported)")
     parser.add_argument("--out", help="also write the table here")
     args = parser.parse_args(argv)
-    adapter = args.adapter or (DEFAULT_ADAPTER if args.model == "smollm2-135m" else None)
+    adapter = args.adapter or (DEFAULT_ADAPTER if args.model == msgrpo.CPU_MODEL else None)
 
     cfg = msgrpo.resolve_defaults(msgrpo.Config(
         model=args.model, groups=args.groups, group_size=args.group_size,
-        temperature=args.temperature, env_options={"max_steps": args.max_steps}, run_dir="unused"))
+        temperature=args.temperature, env_options={"max_steps": args.max_steps},
+        micro_batch=args.micro_batch, run_dir="unused"))
+    sides = {side: dataclasses.replace(cfg, cpu_speedups=side == "speed-ups") for side in SIDES}
     seeds = list(range(101, 101 + args.groups))
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg, adapter=adapter)
-    torch.manual_seed(0)
-    episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)  # warm-up, and the steps to train
-    env_steps = sum(len(ep.rewards) for ep in episodes)
+    # The steps both sides train, played on the plain side: the speed-ups' kept weights are made
+    # only once the plain side is measured.
+    episodes = play(model, tokenizer, sides["plain"], seeds)
     steps = steps_of(episodes)
-    varied = first_iteration_steps(model, tokenizer, cfg, seeds)
-
-    def measure(on):
-        peak = []
-        with levers(on):
-            rollout = median_seconds_per_item(
-                functools.partial(env_steps_played, model, tokenizer, cfg, seeds), args.repeats)
-            with peak_resident_mb(peak):
-                trained = median_seconds_per_item(
-                    functools.partial(trained_steps, model, tokenizer, cfg, steps), args.repeats)
-            with peak_resident_mb(peak):
-                trained_steps(model, tokenizer, cfg, varied)
-        return {"rollout": rollout, "trained": trained, "peak_mb": peak[0],
-                "first_iteration_peak_mb": peak[1]}
-
-    results = {"before": measure(on=False), "after": measure(on=True)}
+    varied = first_iteration_steps(model, tokenizer, sides["plain"], seeds)
+    results = {side: measure(model, tokenizer, side_cfg, seeds, steps, varied, args.repeats)
+               for side, side_cfg in sides.items()}
 
     prompts = [p for p, _, _ in steps]
-    before = results["before"]
-
-    def cells(measure, digits=3, speed_up=True):
-        return " | ".join(f"{values[measure]:.{digits}f}"
-                          + (f" (**{before[measure] / values[measure]:.2f}x**)"
-                             if speed_up and name != "before" else "")
-                          for name, values in results.items())
-
-    micro_rows = [len({(tuple(p), tuple(r)) for p, r, _ in micro})
-                  for mb in msgrpo.plan_minibatches(steps, cfg, np.random.default_rng(0))
-                  for micro in mb]
     policy = adapter.resolve().relative_to(ROOT) if adapter else "a new adapter"
     distinct, tokens = len(set(map(tuple, prompts))), np.mean([len(p) for p in prompts])
-    lines = [f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
-             f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, "
-             f"step limit {args.max_steps}: "
-             f"{env_steps} env steps, {distinct} distinct prompts of {tokens:.0f} tokens, "
-             f"{support.shared_prefix_length(prompts)} shared by all; the update's micro-batches "
-             f"hold {', '.join(map(str, micro_rows))} distinct steps (at most {cfg.micro_batch}); "
-             f"(c): {len(varied)} steps of the base model at T = 1. Memory allocator: "
-             f"{allocator()}.", "",
-             "| measure | " + " | ".join(results) + " |", "| --- |" + " ---: |" * len(results),
-             f"| (a) rollout step (s per env step) | {cells('rollout')} |",
-             f"| (b) trained step (s per step) | {cells('trained')} |",
-             f"| (b) peak memory while training (MB) | {cells('peak_mb', 0, speed_up=False)} |",
-             f"| (c) peak memory, a first iteration's varied steps (MB) | "
-             f"{cells('first_iteration_peak_mb', 0, speed_up=False)} |"]
-    table = "\n".join(lines)
-    print(table)
+    rows = {side: micro_batch_rows(steps, side_cfg) for side, side_cfg in sides.items()}
+    header = (
+        f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
+        f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, step limit "
+        f"{args.max_steps}: {sum(len(ep.rewards) for ep in episodes)} env steps, {distinct} "
+        f"distinct prompts of {tokens:.0f} tokens, "
+        f"{cpu_speedups.shared_prefix_length(prompts)} shared by all; the update's micro-batches "
+        f"(at most {cfg.micro_batch}) hold {', '.join(map(str, rows['plain']))} steps (plain), "
+        f"{', '.join(map(str, rows['speed-ups']))} distinct steps (speed-ups); (c): {len(varied)} "
+        f"steps of the base model at T = 1. Memory allocator: {allocator()}. In bold: plain / "
+        f"speed-ups.")
+    text = table(results, header)
+    print(text)
     if args.out:
-        Path(args.out).write_text(table + "\n")
+        Path(args.out).write_text(text + "\n")
     return results
 
 
 if __name__ == "__main__":
-    support.run_under_jemalloc(sys.argv)  # as msgrpo.py runs
+    cpu_speedups.run_under_jemalloc(sys.argv)  # as msgrpo.py runs
     main()

@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import cpu_speedups  # noqa: E402
 import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
@@ -253,7 +254,7 @@ def check_targets_start_with_the_move(tokenizer):
 def train_step(model, optimizer, tokenizer, cfg, states, wording, grad_clip=1.0):
     """One AdamW step on -mean log-prob of the labelled reply tokens."""
     steps = [(prompt_ids(tokenizer, cfg, s, wording), target_ids(tokenizer, s.label), 1.0) for s in states]
-    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
+    return supervised_step(model, optimizer, tokenizer, steps, grad_clip, cfg.cpu_speedups)
 
 
 def observation_step(model, optimizer, tokenizer, cfg, states, grad_clip=1.0):
@@ -261,13 +262,16 @@ def observation_step(model, optimizer, tokenizer, cfg, states, grad_clip=1.0):
     .observation (the game's text) and .label (the move)."""
     steps = [(msgrpo.lap_prompt_ids(tokenizer, s.observation, cfg), target_ids(tokenizer, s.label),
               1.0) for s in states]
-    return supervised_step(model, optimizer, tokenizer, steps, grad_clip)
+    return supervised_step(model, optimizer, tokenizer, steps, grad_clip, cfg.cpu_speedups)
 
 
-def supervised_step(model, optimizer, tokenizer, steps, grad_clip=1.0):
+def supervised_step(model, optimizer, tokenizer, steps, grad_clip=1.0, speedups=False):
     """One AdamW step on -mean log-prob of the target tokens of steps: (prompt ids, target ids, 1.0),
-    through the trainer's own collate_steps and response_logprobs."""
-    batch = msgrpo.collate_steps(steps, tokenizer.pad_token_id, read_once=True)
+    through the trainer's own collate_steps and response_logprobs. speedups (cfg.cpu_speedups):
+    cpu_speedups.collate_steps' batch, which reads the prompt prefix every state shares once and
+    identical steps as one row: the same loss, a fraction of the tokens."""
+    collate = cpu_speedups.collate_steps if speedups else msgrpo.collate_steps
+    batch = collate(steps, tokenizer.pad_token_id)
     model.train()
     logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
     loss = -(logp * mask).sum() / mask.sum()

@@ -8,8 +8,9 @@ needs nothing but the line "Next to your head: up wall, right empty, down your n
 left apple": answer a move that runs into neither a wall, your body, nor your neck. The label of a
 state is the straight-unless-deadly move (keep going if that is safe, else a safe move drawn at
 random), written as "MOVE</action>" after the trainer's own prompt, with the trainer's loss pieces
-(msgrpo.collate_steps, msgrpo.response_logprobs). Half the training states have the move straight
-on deadly, so a model that ignores the line and says "keep going" scores a half there at best.
+(yardstick.supervised_step: collate_steps, msgrpo.response_logprobs). Half the training states
+have the move straight on deadly, so a model that ignores the line and says "keep going" scores a
+half there at best.
 
 The score is read on states of games never trained on: the most likely first reply token is a
 safe move (or not), split by whether going straight on is deadly there, and the mean probability

@@ -278,19 +278,26 @@ def test_detour_yardstick_labels_start_shortest_paths_and_half_need_a_detour():
     assert 0 < rows[0]["beyond_rules"] < rows[0]["detours"]
 
 
-def test_bench_cpu_times_before_and_after_side_by_side(tmp_path):
+def test_bench_cpu_times_the_plain_path_and_the_speed_ups_side_by_side(tmp_path):
     import bench_cpu
 
     out = tmp_path / "bench.md"
     results = bench_cpu.main(["--model", "tiny", "--groups", "1", "--group-size", "4", "--max-steps", "2",
                               "--repeats", "1", "--out", str(out)])
     table = out.read_text()
-    assert "| measure | before | after |" in table
-    for measure in ["(a) rollout step", "(b) trained step", "(b) peak memory while training",
-                    "(c) peak memory, a first iteration's varied steps"]:
-        assert f"| {measure}" in table, measure
-    assert table.count("x**)") == 2  # after against before, rollout and trained steps
+    assert "| measure | plain | speed-ups |" in table
+    measures = ["(a) rollout step", "(b) trained step", "(b) peak memory while training",
+                "(c) peak memory, a first iteration's varied steps", "(b) gradient norm"]
+    rows = [line for line in table.splitlines() if line.startswith("| (")]
+    assert len(rows) == len(measures)
+    for row, measure in zip(rows, measures):
+        assert row.startswith(f"| {measure}"), (row, measure)
+    assert all(row.count(" | ") == 2 for row in rows)  # measure | plain | speed-ups
+    assert table.count("x**)") == 4  # plain / speed-ups on the speed-ups column: times and memory
+    assert set(results) == {"plain", "speed-ups"}
     assert all(r["rollout"] > 0 and r["trained"] > 0 and r["peak_mb"] > 100 for r in results.values())
+    plain, fast = results["plain"]["grad_norm"], results["speed-ups"]["grad_norm"]
+    assert abs(plain - fast) <= 1e-3 * max(plain, 1e-6)  # the same steps, the same numbers
     assert int(table.split(" tokens, ")[1].split(" shared")[0]) > 50  # the system prompt, rules and action list
 
 
