@@ -243,11 +243,16 @@ def load_config(run_dir: Path, config_class, resolve):
     """A run's config.json as a config_class, resolved by resolve (msgrpo.resolve_defaults), without
     the settings config_class lacks (another algorithm's, baselines.py); settings it does not record
     (added since it ran) get this device's defaults."""
-    known = {f.name for f in dataclasses.fields(config_class)}
-    saved = load_json(Path(run_dir) / "config.json")
+    defaults, path = vars(config_class()), Path(run_dir) / "config.json"
+    saved = load_json(path)
     if "exploring_starts" in saved and "training_start" not in saved:  # before starts had names
         saved["training_start"] = "beside_hole" if saved["exploring_starts"] else "S"
-    return resolve(config_class(**{k: v for k, v in saved.items() if k in known}))
+    kept = {k: v for k, v in saved.items() if k in defaults}
+    for name, value in kept.items():  # a whole number is a float too, but True is no number
+        wanted = type(defaults[name])
+        if type(value) is not wanted and not (wanted is float and type(value) is int):
+            raise SystemExit(f"{path}: {name} is {value!r}; it must be of type {wanted.__name__}")
+    return resolve(config_class(**kept))
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's rows, iterations 1, 2, 3, ... in order. A repeated or missing iteration
@@ -263,11 +268,27 @@ def read_metrics(run_dir: Path) -> list[dict]:
                 rows.append(json.loads(line))
                 if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
                     raise ValueError("a line without an iteration")
+                if lacking := [k for k in CURVE_FIELDS if type(rows[-1].get(k)) not in (int, float)]:
+                    raise ValueError(f"no number for {', '.join(lacking)}, which the curves plot")
             except ValueError as error:
                 raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
             if problem := iteration_out_of_order(rows[-1]["iteration"], expected=len(rows)):
                 raise SystemExit(f"{path} line {number}: {problem}")
     return rows
+
+CURVE_FIELDS = ("mean_return", "success_rate", "invalid_rate", "distinct_responses", "entropy",
+                "zero_variance_groups")  # what plot_curves reads of every metrics line
+EVALUATION_FIELDS = {"iteration", "episodes", "success_rate", "success_ci95", "mean_return",
+                     "return_ci95", "invalid_rate"}  # what the table and the curves read
+
+def load_evals(run_dir) -> list[dict]:
+    """eval.json's evaluations; [] where there is none."""
+    evals = load_json(path := Path(run_dir) / "eval.json", [])
+    if not isinstance(evals, list) or not all(isinstance(e, dict) and e.keys() >= EVALUATION_FIELDS
+                                              and type(e["iteration"]) is int for e in evals):
+        raise SystemExit(f"{path} is not a list of evaluations, each with "
+                         f"{', '.join(sorted(EVALUATION_FIELDS))} (iteration a whole number)")
+    return evals
 
 def iteration_out_of_order(iteration, expected: int) -> str:
     """What is wrong with a metrics line's iteration where `expected` is due; "" when nothing."""
@@ -283,12 +304,12 @@ def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
     """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
     kept = [m for m in read_metrics(run_dir) if m["iteration"] <= last_iteration]
     save_text(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
-    evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] <= last_iteration]
+    evals = [e for e in load_evals(run_dir) if e["iteration"] <= last_iteration]
     save_json(run_dir / "eval.json", evals)
 
 def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     if result:
-        evals = [e for e in load_json(run_dir / "eval.json", []) if e["iteration"] != iteration]
+        evals = [e for e in load_evals(run_dir) if e["iteration"] != iteration]
         evals.append({"iteration": iteration, **result})
         save_json(run_dir / "eval.json", sorted(evals, key=lambda e: e["iteration"]))
 
@@ -342,6 +363,8 @@ def load_checkpoint(run_dir: Path) -> dict | None:
         checkpoint = torch.load(path, weights_only=False)
         if not isinstance(checkpoint, dict) or not {"iteration", "optimizer"} <= checkpoint.keys():
             raise ValueError("not a msgrpo checkpoint")
+        if type(checkpoint["iteration"]) is not int or checkpoint["iteration"] < 0:
+            raise ValueError(f"iteration {checkpoint['iteration']!r} is not a whole number >= 0")
     except Exception as error:  # torch.load raises many kinds on a damaged file
         raise SystemExit(f"{path} is unreadable: {one_line(error)}")
     return checkpoint
@@ -448,11 +471,11 @@ class Run:
         """Record evaluate() for this iteration if due and not recorded yet: a run that died after
         a checkpoint and before its evaluation gets it when it resumes."""
         if self.evaluation_due(iteration) and not any(
-                e["iteration"] == iteration for e in load_json(self.dir / "eval.json", [])):
+                e["iteration"] == iteration for e in load_evals(self.dir)):
             record_eval(self.dir, iteration, evaluate())
 
     def evaluate_final(self, evaluate) -> None:
-        evals = load_json(self.dir / "eval.json", [])
+        evals = load_evals(self.dir)
         if self.cfg.eval_episodes and (not evals or evals[-1]["iteration"] != self.cfg.iterations):
             record_eval(self.dir, self.cfg.iterations, evaluate())
 
@@ -483,7 +506,7 @@ class Run:
     def finish(self) -> Path:
         """curves.png, and the evaluations as a table."""
         plot_curves(self.dir)
-        if evals := load_json(self.dir / "eval.json", []):
+        if evals := load_evals(self.dir):
             print(eval_table(evals))
         return self.dir
 
@@ -637,7 +660,7 @@ def sampled_evals(evals: list[dict]) -> list[dict]:
 def plot_curves(run_dir: Path) -> None:
     """curves.png: what the training did, iteration by iteration, plus held-out evaluations."""
     from matplotlib.figure import Figure  # not pyplot: leaves a notebook's inline backend alone
-    metrics, evals = read_metrics(run_dir), load_json(run_dir / "eval.json", [])
+    metrics, evals = read_metrics(run_dir), load_evals(run_dir)
     config = load_json(run_dir / "config.json", {})
     if not metrics:
         return
@@ -945,8 +968,10 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
         if cfg.iterations < checkpoint["iteration"]:
             fail(f"--iterations {cfg.iterations} is fewer than the {checkpoint['iteration']} "
                  f"iterations {run_dir} has trained")
-        read_metrics(run_dir)  # a damaged file is named now, not after the model has loaded
-        load_json(run_dir / "eval.json")
+        if len(read_metrics(run_dir)) < checkpoint["iteration"]:  # named now, not after training
+            fail(f"{run_dir / 'metrics.jsonl'} has fewer lines than the {checkpoint['iteration']} "
+                 f"iterations {run_dir / 'checkpoint.pt'} has trained")
+        load_evals(run_dir)
     elif not overwrite and any((run_dir / name).exists() for name in RUN_FILES):
         fail(f"{run_dir} already holds a run: continue it with --resume {run_dir}, "
              f"or replace it with --overwrite")

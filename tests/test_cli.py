@@ -88,9 +88,37 @@ def saved_run(tmp_path):
                                                 run_dir=str(run_dir)))
     support.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
     torch.save({"iteration": 2, "optimizer": {}, "lora": {}}, run_dir / "checkpoint.pt")
-    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n')
-    support.save_json(run_dir / "eval.json", [{"iteration": 0}])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, **CURVES}) + "\n" for i in (1, 2)))
+    support.save_json(run_dir / "eval.json", [EVALUATION])
     return run_dir
+
+
+CURVES = {"mean_return": 0.0, "success_rate": 0.0, "invalid_rate": 1.0, "distinct_responses": 0.5, "entropy": 2.0,
+          "zero_variance_groups": 8}  # what the curves read of a metrics line
+EVALUATION = {"iteration": 0, "episodes": 2, "success_rate": 0.0, "success_ci95": [0.0, 0.8], "mean_return": 0.0,
+              "return_ci95": [0.0, 0.0], "invalid_rate": 1.0}
+
+
+@pytest.mark.parametrize("name, damaged", [
+    ("metrics.jsonl", json.dumps({"iteration": 1, **CURVES}) + "\n"),  # a line lost: 1 line, checkpoint of 2
+    ("metrics.jsonl", '{"iteration": 1}\n' + json.dumps({"iteration": 2, **CURVES}) + "\n"),
+    ("metrics.jsonl", "".join(json.dumps({"iteration": i, **CURVES, "entropy": "high"}) + "\n" for i in (1, 2))),
+    ("checkpoint.pt", -1), ("checkpoint.pt", "2"), ("checkpoint.pt", 2.0), ("checkpoint.pt", True),
+    ("eval.json", {"iteration": 0}), ("eval.json", [0, 1]), ("eval.json", [{"episodes": 2}]),
+    ("eval.json", [{**EVALUATION, "iteration": "0"}]), ("eval.json", [{"iteration": 0}]),
+    ("config.json", {"groups": "eight"}), ("config.json", {"quantize": "yes"}), ("config.json", {"lr": "fast"}),
+    ("config.json", {"groups": True}), ("config.json", {"env_options": ["size", 4]})])
+def test_resume_checks_the_run_files_against_each_other_before_the_model_loads(saved_run, name, damaged):
+    """Found before any training: not after an iteration has trained, in the plot at the end, or as a
+    traceback."""
+    path = saved_run / name
+    if name == "checkpoint.pt":
+        torch.save({"iteration": damaged, "optimizer": {}, "lora": {}}, path)
+    elif name == "config.json":
+        path.write_text(json.dumps({**json.loads(path.read_text()), **damaged}))
+    else:
+        path.write_text(damaged if isinstance(damaged, str) else json.dumps(damaged))
+    assert str(path) in stopped(["--resume", str(saved_run)])
 
 
 @pytest.mark.parametrize("name, damage", [("checkpoint.pt", b"PK\x03\x04 half a checkpoint"),
@@ -108,8 +136,7 @@ def test_a_damaged_run_file_is_named(saved_run, name, damage):
     ([1, 3], "line 2: iteration 3 where 2 is due: iteration 2 is missing"),
     ([2, 3], "line 1: iteration 2 where 1 is due"), (["one"], "line 1: iteration 'one'")])
 def test_metrics_with_a_repeated_or_missing_iteration_are_refused_by_name(saved_run, lines, named):
-    (saved_run / "metrics.jsonl").write_text("".join(f'{{"iteration": {json.dumps(i)}}}\n'
-                                                     for i in lines))
+    (saved_run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, **CURVES}) + "\n" for i in lines))
     with pytest.raises(SystemExit, match=named):
         support.read_metrics(saved_run)
     assert str(saved_run / "metrics.jsonl") in stopped(["--resume", str(saved_run)])
