@@ -94,11 +94,13 @@ def cache_dir() -> Path:
 
 def load_adapter(model, adapter):
     """The trained LoRA adapter folder `adapter` on `model`, trainable. One line where it does not
-    load: a damaged file, or weights shaped for another model's layers."""
+    load: a damaged file, weights shaped for another model's layers or named for none of them."""
     from peft import PeftModel
+    from peft.utils import load_peft_weights
     from safetensors import SafetensorError
     try:
-        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        loaded = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+        saved = set(load_peft_weights(str(adapter), device="cpu"))  # named without ".default"
     except RuntimeError as error:  # torch's load_state_dict: a line per layer that does not fit
         mismatch = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
         first = mismatch[0] if mismatch else one_line(error)
@@ -106,6 +108,13 @@ def load_adapter(model, adapter):
                          f"(was it trained on another model?): {first}")
     except (SafetensorError, OSError, ValueError) as error:
         raise SystemExit(f"error: the LoRA adapter {adapter} is unreadable: {one_line(error)}")
+    wanted = {name.replace(".default.", ".") for name, _ in loaded.named_parameters()
+              if "lora_" in name}
+    if saved != wanted:  # peft only warns, and the weights it did not find stay as initialised
+        raise SystemExit(f"error: the LoRA adapter {adapter} has {len(saved & wanted)} of the "
+                         f"{len(wanted)} LoRA weights of {model.name_or_path}, and "
+                         f"{len(saved - wanted)} it has no layer for: were its weights renamed?")
+    return loaded
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -232,3 +232,25 @@ def test_flags_given_with_resume_are_kept_by_the_next_resume(tmp_path, monkeypat
     assert saved["iterations"] == 3 and saved["env_options"] == {"max_steps": 2, "slippery": True}
     msgrpo.main(["--resume", str(run_dir)])
     assert [m["iteration"] for m in support.read_metrics(run_dir)] == [1, 2, 3]
+
+
+def test_an_adapter_whose_weights_fit_no_layer_is_refused_by_name(tmp_path):
+    """peft only warns where an adapter's weight names match none of the model's layers; the base
+    model would then be scored under the adapter's name."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(support.tiny_model_folder())
+
+    adapter = tmp_path / "adapter"
+    lora = peft.LoraConfig(r=4, target_modules=msgrpo.LORA_TARGETS, task_type="CAUSAL_LM")
+    peft.get_peft_model(base(), lora).save_pretrained(adapter)
+    assert isinstance(support.load_adapter(base(), adapter), peft.PeftModel)  # as saved, it loads
+    weights = load_file(adapter / "adapter_model.safetensors")
+    for renamed in (lambda name: name.replace("layers", "blocks"),  # none loads
+                    lambda name: name.replace("layers.0.", "layers.9.")):  # some do not
+        save_file({renamed(name): w for name, w in weights.items()}, adapter / "adapter_model.safetensors")
+        with pytest.raises(SystemExit) as refused:
+            support.load_adapter(base(), adapter)
+        assert str(adapter) in str(refused.value.code) and "\n" not in str(refused.value.code)
