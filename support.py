@@ -854,6 +854,8 @@ def config_from_args(args: argparse.Namespace, config_class, resolve, game_optio
     validate_config against `ranges` (default SETTING_RANGES) before any model loads.
     game_options(cfg): the options its games are made with (msgrpo.env_options)."""
     given = vars(args).copy()
+    if empty := [n for n in ("resume", "run_dir", "model") if n in given and not given[n].strip()]:
+        raise SystemExit(f"error: --{empty[0].replace('_', '-')} is empty: name one, or leave it out")
     resume_dir = given.pop("resume", None)
     overwrite = given.pop("overwrite", False)
     option_texts = given.pop("env_options", [])
@@ -876,6 +878,11 @@ def config_from_args(args: argparse.Namespace, config_class, resolve, game_optio
     try:
         # Added to the saved options: --resume D --env-opt slippery=true keeps D's max_steps.
         added = envs.options_from_text(given.get("env", base.env), option_texts)
+        if "invalid_penalty" in added:  # one setting, recorded as --invalid-penalty
+            penalty = added.pop("invalid_penalty")
+            if given.setdefault("invalid_penalty", penalty) != penalty:
+                raise SystemExit(f"error: --env-opt invalid_penalty={penalty} disagrees with "
+                                 f"--invalid-penalty {given['invalid_penalty']}: give one")
         cfg = resolve(dataclasses.replace(base, **given, env_options={**base.env_options, **added}))
     except ValueError as error:
         raise SystemExit(f"error: --env-opt: {error}")

@@ -292,3 +292,19 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_points_to_is_untouche
         with support.owned_run_folder(saved_run):
             pass
     assert precious.read_text() == "not a lock" and (saved_run / support.LOCK_FILE).is_symlink()
+
+
+@pytest.mark.parametrize("argv", [["--resume", ""], ["--run-dir", ""], ["--model", ""], ["--resume", " "],
+                                  ["--invalid-penalty", "-0.5", "--env-opt", "invalid_penalty=-0.2"]])
+def test_empty_paths_and_settings_given_twice_disagreeing_are_refused(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where a run started by mistake would write runs/
+    message = stopped(argv + ["--run-dir", str(tmp_path / "run")] * ("--run-dir" not in argv and "--resume" not in argv))
+    assert argv[0] in message and list(tmp_path.iterdir()) == []
+
+
+def test_an_invalid_penalty_game_option_is_the_run_s_invalid_penalty(tmp_path):
+    """Given either way, or both ways alike, config.json records the penalty the games add."""
+    for flags in (["--env-opt", "invalid_penalty=-0.5"], ["--invalid-penalty=-0.5", "--env-opt", "invalid_penalty=-0.5"]):
+        args = msgrpo.build_parser().parse_args(flags + ["--run-dir", str(tmp_path)])
+        cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
+        assert cfg.invalid_penalty == msgrpo.env_options(cfg)["invalid_penalty"] == -0.5
