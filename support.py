@@ -733,22 +733,23 @@ def plot_curves(run_dir: Path) -> None:
 # 7. Command line ----------------------------------------------------------------------------------
 # The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
 # outside its range would fail late (after the model loads) or run and learn nothing, so
-# validate_config stops first.
+# validate_config stops first. Sizes and counts are capped: far past any use, they would fill the
+# memory (or the disk) before anything failed.
 NUMERIC_FLAGS = [
-    ("lora-r", int, "LoRA rank", lambda v: v >= 1, "at least 1"),
+    ("lora-r", int, "LoRA rank", lambda v: 1 <= v <= 4096, "from 1 to 4096"),
     ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 70)",
-     lambda v: v >= 1, "at least 1 (0: the device's default)"),
-    ("groups", int, "B: start states per iteration", lambda v: v >= 1, "at least 1"),
-    ("group-size", int, "G: episodes per start state",
-     lambda v: v >= 2,
-     "at least 2: an episode is judged against its group, so a group of one never learns"),
+     lambda v: 1 <= v <= 1_000_000, "from 1 to 1000000 (0: the device's default)"),
+    ("groups", int, "B: start states per iteration", lambda v: 1 <= v <= 4096, "from 1 to 4096"),
+    ("group-size", int, "G: episodes per start state", lambda v: 2 <= v <= 4096,
+     "from 2 to 4096: an episode is judged against its group, so a group of one never learns"),
     ("temperature", float, "rollout sampling temperature of the early phase",
      lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
     ("late-temperature", float, "rollout sampling temperature after --late-after iterations",
      lambda v: v > 0, "above 0"),
     ("max-new-tokens", int, "tokens per response (0: 6, 1 on Snake, or 256 with --think)",
-     lambda v: v >= 1, "at least 1"),
-    ("invalid-penalty", float, "reward added for an unparseable or illegal response", None, ""),
+     lambda v: 1 <= v <= 8192, "from 1 to 8192"),
+    ("invalid-penalty", float, "reward added for an unparseable or illegal response",
+     lambda v: -1000 <= v <= 1000, "from -1000 to 1000"),
     ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
      lambda v: 0 < v <= 1, "above 0 and at most 1"),
     ("epochs", int, "passes over the sampled steps", lambda v: v >= 1, "at least 1"),
@@ -757,7 +758,7 @@ NUMERIC_FLAGS = [
     ("micro-batch", int,
      "distinct steps per forward/backward (0: 16, 4 with --think): lower it if memory runs "
      "out",
-     lambda v: v >= 1, "at least 1"),
+     lambda v: 1 <= v <= 4096, "from 1 to 4096"),
     ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
                         "(--late-lr, --late-temperature); 0: the early phase throughout "
                         "(default 25; Snake 0)",
@@ -774,19 +775,20 @@ NUMERIC_FLAGS = [
     ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
     ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
      lambda v: v >= 0, "at least 0"),
-    ("eval-episodes", int, "held-out episodes per evaluation", lambda v: v >= 0, "at least 0"),
+    ("eval-episodes", int, "held-out episodes per evaluation", lambda v: 0 <= v <= 100_000,
+     "from 0 to 100000"),
     ("seed", int, "random seed", lambda v: 0 <= v < 2**64,  # what torch.manual_seed takes
      f"from 0 to {2**64 - 1}"),
     ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: "
                         "lower it if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, "
                         "for a 12 GB card)",
-     lambda v: v >= 1, "at least 1"),
+     lambda v: 1 <= v <= 4096, "from 1 to 4096"),
     ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)",
      lambda v: v >= 0, "at least 0"),
 ]
 # What validate_config checks, by setting: (allowed(value), what it must be).
 SETTING_RANGES = {flag.replace("-", "_"): (allowed, must)
-                  for flag, _, _, allowed, must in NUMERIC_FLAGS if allowed is not None}
+                  for flag, _, _, allowed, must in NUMERIC_FLAGS}
 
 def parse_env_option(text: str) -> tuple[str, str]:
     """KEY=VALUE, split only: the game types VALUE (envs.option_from_text) once --env is known."""

@@ -38,7 +38,8 @@ def stopped(argv, main=msgrpo.main):
     (["--temperature", "-1"], "--temperature"), (["--temperature", "0"], "--temperature"),
     (["--temperature", "nan"], "--temperature"), (["--groups", "0"], "--groups"), (["--lr", "nan"], "--lr"),
     (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--invalid-penalty", "nan"], "--invalid-penalty"),
-    (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--env-opt", "size=abc"], "size"),
+    (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--invalid-penalty=-1e308"], "--invalid-penalty"),
+    (["--env-opt", "size=abc"], "size"),
     (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
     (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
     (["--env-opt", "map=SFX,FFG"], "map"), (["--env-opt", "start=corner"], "start"),
@@ -308,3 +309,21 @@ def test_an_invalid_penalty_game_option_is_the_run_s_invalid_penalty(tmp_path):
         args = msgrpo.build_parser().parse_args(flags + ["--run-dir", str(tmp_path)])
         cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
         assert cfg.invalid_penalty == msgrpo.env_options(cfg)["invalid_penalty"] == -0.5
+
+
+CAPS = {"--groups": 4096, "--group-size": 4096, "--lora-r": 4096, "--micro-batch": 4096, "--eval-batch": 4096,
+        "--max-new-tokens": 8192, "--iterations": 1_000_000, "--eval-episodes": 100_000}
+
+
+@pytest.mark.parametrize("flag, cap", [*CAPS.items(), ("--invalid-penalty", 1000), ("--invalid-penalty", -1000)])
+def test_sizes_past_their_cap_stop_before_anything_is_allocated(flag, cap, tmp_path):
+    past = cap + (1 if cap > 0 else -1)
+    message = stopped([f"{flag}={past}", "--run-dir", str(tmp_path / "run")])
+    assert message.startswith(f"error: {flag} is {past}") and str(abs(cap)) in message
+
+
+def test_sizes_at_their_cap_are_taken(tmp_path):
+    argv = [f"{flag}={cap}" for flag, cap in CAPS.items()] + ["--invalid-penalty=-1000", "--run-dir", str(tmp_path)]
+    args = msgrpo.build_parser().parse_args(argv)
+    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
+    assert (cfg.groups, cfg.max_new_tokens, cfg.eval_episodes, cfg.invalid_penalty) == (4096, 8192, 100_000, -1000)
