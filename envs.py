@@ -606,18 +606,47 @@ def snake_dies(head, body, grows, size, others):
     return not on_board(head, size) or head in own or head in others
 
 
+# The fruits varied_rules may name; the board draws each as its first letter, upper case.
+VARIED_FRUITS = ("apple", "banana", "cherry")
+# Snake Poison Apple's combination, apples -1 with bananas +1, is never drawn: that game stays
+# unseen in training, to test whether an agent reads rules rather than remembering them.
+HELD_OUT_WORTHS = {("apple", -1.0), ("banana", 1.0)}
+
+
+def varied_fruit_worths():
+    """Every ((fruit, worth), ...) that varied_rules may draw: one fruit worth +1 or -1, alone or
+    with a second fruit worth the opposite; never Snake Poison Apple's combination."""
+    alone = [((fruit, worth),) for fruit in VARIED_FRUITS for worth in (1.0, -1.0)]
+    pairs = [((fruit, worth), (second, -worth)) for ((fruit, worth),) in alone
+             for second in VARIED_FRUITS if second != fruit]
+    return tuple(draw for draw in alone + pairs if not HELD_OUT_WORTHS <= set(draw))
+
+
+VARIED_WORTHS = varied_fruit_worths()
+
+
+def worths_text(draw):
+    """Standard Snake's sentence for each (fruit, worth); worths_text([("apple", 1.0)]) is its."""
+    return " ".join(f"Eating {'an' if fruit[0] in 'aeiou' else 'a'} {fruit} gives {worth:+g} and"
+                    " makes the snake one cell longer." for fruit, worth in draw)
+
+
 class Snake(TextGame):
     name = "snake"
     actions = SNAKE_ACTIONS
     defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False, invalid_penalty=-0.1,
-                    start="standard")
+                    start="standard", varied_rules=False)
     # standard: the head at (3n/4, n/2), heading right, as held-out games start. facing_wall: the head
     # on a border cell the seed picks, heading out of the board, so a group's first move decides
     # whether it lives.
+    # varied_rules: each game's rules say which fruits are on the board and what each is worth
+    # (VARIED_WORTHS: an apple, banana or cherry worth +1 or -1, a second fruit the opposite or
+    # absent; `apples` of each), drawn from the seed, so a group shares them; rewards follow them.
     starts = ("standard", "facing_wall")
     training_start = "facing_wall"
     apple_reward, banana_reward, death_reward = 1.0, 1.0, -1.0
     fruit_rules = "Eating an apple gives +1 and makes the snake one cell longer."
+    fruit_names = ("apple", "banana")  # what the text calls the fruits of self.apples, self.bananas
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -634,19 +663,40 @@ class Snake(TextGame):
             raise ValueError(f"option {fruit} must be at most {free}, the cells free of snakes "
                              f"on a {self.size}x{self.size} board, got "
                              f"{self.apple_count + self.banana_count}")
+        self.varied_rules = boolean("varied_rules", self.options.get("varied_rules", False))
+        if self.varied_rules and 2 * self.apple_count > free:  # as many of a second fruit may come
+            raise ValueError(f"option apples must be at most {free // 2} with varied_rules on a "
+                             f"{self.size}x{self.size} board, got {self.apple_count}")
         self.step_reward = finite_float("step_reward", self.options["step_reward"])
         self.has_opponent = boolean("opponent", self.options["opponent"])
         self.start = self.options["start"]
         if self.start not in self.starts:
             raise ValueError(f"option start must be one of {', '.join(self.starts)}, got {self.start!r}")
-        hazards = ("a wall, your own body or the other snake" if self.has_opponent
-                   else "a wall or your own body")
-        self.rules = (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"
-                      f" the direction you choose. {self.fruit_rules} Running into {hazards} ends"
-                      " the game with -1. You cannot turn back into your own neck.")
+        self.rules = self.rules_text(self.fruit_rules)
+        if self.varied_rules:  # until reset draws them: the longest, which the space must hold
+            self.rules = max(map(self.rules_text, map(worths_text, VARIED_WORTHS)), key=len)
         self.declare_spaces(self.size * self.size)
 
+    def rules_text(self, fruit_rules):
+        hazards = ("a wall, your own body or the other snake" if self.has_opponent
+                   else "a wall or your own body")
+        return (f"Snake on a {self.size}x{self.size} board: each step your snake moves one cell in"
+                f" the direction you choose. {fruit_rules} Running into {hazards} ends"
+                " the game with -1. You cannot turn back into your own neck.")
+
+    def draw_fruit_rules(self):
+        """varied_rules: this game's fruits and worths, from its seed; a second fruit lives where
+        Poison Apple keeps its bananas."""
+        draw = VARIED_WORTHS[self.rng.integers(len(VARIED_WORTHS))]
+        # Without a second fruit its slot stays empty, as in standard Snake.
+        (first, self.apple_reward), (second, self.banana_reward) = (draw + (("banana", 0.0),))[:2]
+        self.fruit_names = (first, second)
+        self.banana_count = self.apple_count * (len(draw) - 1)
+        self.rules = self.rules_text(worths_text(draw))
+
     def new_game(self, seed):
+        if self.varied_rules:
+            self.draw_fruit_rules()
         # The opponent starts in the upper half, heading left; [] once it has been boxed in.
         row, col = self.size // 4, self.size // 2
         self.opponent = [(row, col - 1), (row, col), (row, col + 1)] if self.has_opponent else None
@@ -741,16 +791,19 @@ class Snake(TextGame):
         No coordinate lists: the offset says from the head where the fruit is, as Frozen Lake's
         goal offset does, and the board shows the rest; each list cost about 3 tokens a cell.
         """
+        first, second = self.fruit_names
         lines = [f"You are moving {self.actions[self.direction]}; your snake is {len(self.snake)} cells long.",
-                 f"Nearest apple: {nearest_offset(self.snake[0], self.apples)}."]
+                 f"Nearest {first}: {nearest_offset(self.snake[0], self.apples)}."]
         if self.banana_count:
-            lines.append(f"Nearest banana: {nearest_offset(self.snake[0], self.bananas)}.")
+            lines.append(f"Nearest {second}: {nearest_offset(self.snake[0], self.bananas)}.")
         grid = [["."] * self.size for _ in range(self.size)]
-        for symbol, cells in [("A", self.apples), ("B", self.bananas), ("X", self.opponent or []),
+        for symbol, cells in [(first[0].upper(), self.apples), (second[0].upper(), self.bananas),
+                              ("X", self.opponent or []),
                               ("S", self.snake[1:]), ("H", [self.snake[0]])]:
             for r, c in cells:
                 grid[r][c] = symbol
-        legend = ("H = your head, S = your body, A = apple" + (", B = banana" if self.banana_count else "")
+        legend = (f"H = your head, S = your body, {first[0].upper()} = {first}"
+                  + (f", {second[0].upper()} = {second}" if self.banana_count else "")
                   + (", X = other snake" if self.opponent is not None else ""))
         lines.append(f"Board ({legend}, . = empty):\n{grid_text(grid)}")
         return "\n".join(lines)
@@ -772,7 +825,8 @@ class Snake(TextGame):
             elif cell in (self.opponent or []):
                 names.append("other snake")
             else:
-                names.append(self.fruit_at(cell) or "empty")
+                slot = self.fruit_at(cell)
+                names.append(self.fruit_names[slot == "banana"] if slot else "empty")
         return names
 
     def observation(self):
@@ -786,6 +840,7 @@ class Snake(TextGame):
                 "apples": list(self.apples), "bananas": list(self.bananas),
                 "opponent": None if self.opponent is None else list(self.opponent),
                 "size": self.size, "apple_reward": self.apple_reward,
+                "banana_reward": self.banana_reward, "fruit_names": list(self.fruit_names),
                 "apples_eaten": self.apples_eaten, "bananas_eaten": self.bananas_eaten,
                 "died": self.died, "success": self.done and not self.died}
 
@@ -802,7 +857,8 @@ class SnakePoisonApple(Snake):
     """The same board, but apples cost -1 and the rules say so: does the agent read the rules?"""
 
     name = "snake_poison_apple"
-    defaults = {**Snake.defaults, "bananas": 0}
+    defaults = {**{key: value for key, value in Snake.defaults.items() if key != "varied_rules"},
+                "bananas": 0}
     apple_reward = -1.0
     fruit_rules = ("The apples are poisoned: eating one gives -1 (the snake still grows)."
                    " Eating a banana gives +1 and makes the snake one cell longer.")

@@ -97,3 +97,23 @@ def test_a_map_larger_than_the_board_cap_is_refused_as_size_is(rows, cols):
     message = str(error.value)
     assert f"{rows}x{cols}" in message and "at most 32" in message and "\n" not in message
     assert envs.make("frozen_lake", map=lake_map(32, 32)).fixed_map == lake_map(32, 32)
+
+
+def test_varied_rules_is_a_snake_option_on_the_command_line():
+    assert envs.options_from_text("snake", [("varied_rules", "true")]) == {"varied_rules": True}
+    assert envs.option_from_text("snake", "varied_rules", "off") is False
+    with pytest.raises(ValueError, match="varied_rules"):
+        envs.option_from_text("snake", "varied_rules", "sometimes")
+    with pytest.raises(ValueError, match="has no option 'varied_rules'"):  # its rules stay fixed
+        envs.option_from_text("snake_poison_apple", "varied_rules", "true")
+    args = msgrpo.build_parser().parse_args(["--env", "snake", "--env-opt", "varied_rules=true",
+                                             "--run-dir", "unused-run"])
+    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults,
+                                      msgrpo.env_options)
+    assert cfg.env_options["varied_rules"] is True
+    training_game = envs.make(cfg.env, **msgrpo.training_env_options(cfg))
+    rules = set()
+    for seed in range(20):  # the rules are drawn when a game starts
+        training_game.reset(seed=seed)
+        rules.add(training_game.rules)
+    assert len(rules) > 1 and all("Eating a" in text for text in rules)

@@ -1,11 +1,15 @@
 """The games: Frozen Lake against Gymnasium itself, Snake's rules, the invalid-action rule, errors."""
 
+import hashlib
+import re
+import warnings
 from collections import Counter, defaultdict
 
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.envs.toy_text.frozen_lake import MAPS, generate_random_map
+from gymnasium.utils.env_checker import check_env
 
 import envs
 
@@ -519,3 +523,160 @@ def test_snake_training_start_faces_the_wall_and_the_seed_chooses_it():
     assert len(set(starts)) > 20  # different seeds, different starts
     with pytest.raises(ValueError, match="start must be one of standard, facing_wall"):
         envs.make("snake", start="corner")
+
+
+# ---------------------------------------------------------------------------------------------
+# Snake with varied rules: the rules text says which fruit is worth what
+# ---------------------------------------------------------------------------------------------
+
+STATED_WORTH = re.compile(r"Eating an? (\w+) gives ([+-]1) ")
+
+
+def stated_worths(rules):
+    """((fruit, worth), ...) as the rules text states them, in its order."""
+    return tuple((fruit, float(worth)) for fruit, worth in STATED_WORTH.findall(rules))
+
+
+def varied_rules_of(env, seed):
+    _, info = env.reset(seed=seed)
+    return env.rules, stated_worths(env.rules), info
+
+
+def test_varied_rules_never_draw_poison_apples_held_out_combination_and_draw_every_other():
+    """Snake Poison Apple (apples -1 with bananas +1) is held out: a game never trained on, to test
+    whether an agent reads the rules. Its combination must never be drawn, in any wording or order,
+    and every other combination of one fruit worth +1 or -1 and a second the opposite or absent
+    must be, so that only the rules text tells which fruit to eat."""
+    fruits = ("apple", "banana", "cherry")
+    every = set()
+    for first in fruits:
+        for worth in (1.0, -1.0):
+            every.add(((first, worth),))
+            every |= {((first, worth), (second, -worth)) for second in fruits if second != first}
+    held_out = {("apple", -1.0), ("banana", 1.0)}
+    allowed = {draw for draw in every if not held_out <= set(draw)}
+    assert len(every) == 18 and len(allowed) == 16
+    poison_apple = envs.make("snake_poison_apple", size=6, bananas=2)
+    env = envs.make("snake", size=6, varied_rules=True, start="facing_wall")  # as in training
+    drawn = Counter()
+    for seed in range(5000):
+        rules, worths, info = varied_rules_of(env, seed)
+        assert worths in allowed and not held_out <= set(worths), (seed, rules)
+        assert rules != poison_apple.rules and "poison" not in rules.lower()
+        assert envs.SnakePoisonApple.fruit_rules not in rules
+        # The game pays what its rules state.
+        assert (info["fruit_names"][0], info["apple_reward"]) == worths[0]
+        if len(worths) == 2:
+            assert (info["fruit_names"][1], info["banana_reward"]) == worths[1]
+        assert len(info["bananas"]) == (len(worths) - 1) * len(info["apples"])
+        drawn[worths] += 1
+    assert set(drawn) == allowed
+    assert min(drawn.values()) > 5000 / 16 / 2  # each about as often as the others
+    assert set(envs.VARIED_WORTHS) == allowed
+
+
+def test_varied_rules_follow_the_seed_so_a_group_shares_them():
+    first, second = (envs.make("snake", size=6, varied_rules=True) for _ in range(2))
+    for seed in range(30):
+        rules, worths, info = varied_rules_of(first, seed)
+        again_rules, again_worths, again_info = varied_rules_of(second, seed)
+        assert (rules, worths, info) == (again_rules, again_worths, again_info)
+        assert play_random(first, seed) == play_random(second, seed)
+    assert len({varied_rules_of(first, seed)[0] for seed in range(30)}) > 5  # seeds differ
+    assert len({varied_rules_of(first, seed)[1] for seed in range(30)}) > 5
+
+
+def seed_drawing(worths):
+    env = envs.make("snake", varied_rules=True, apples=1)
+    return next(seed for seed in range(10_000) if varied_rules_of(env, seed)[1] == worths)
+
+
+@pytest.mark.parametrize("worths", envs.VARIED_WORTHS)
+def test_eating_a_fruit_pays_what_the_rules_state_it_is_worth(worths):
+    env = envs.make("snake", varied_rules=True, apples=1)
+    env.reset(seed=seed_drawing(worths))
+    env.snake, env.direction = [(5, 5), (5, 4), (5, 3)], RIGHT
+    (first, first_worth), *second = worths
+    env.apples, env.bananas = [(5, 6)], [(5, 7)] if second else []
+    assert f"right {first}," in neighbour_line(env)
+    symbol = first[0].upper()
+    observation = env.observation()
+    assert f"{symbol} = {first}" in observation and f"\n. . . S S H {symbol}" in observation
+    _, reward, terminated, _, info = env.step(RIGHT)
+    assert (reward, terminated, len(info["snake"])) == (first_worth, False, 4)
+    if second:
+        [(fruit, worth)] = second
+        assert f"right {fruit}," in neighbour_line(env)
+        assert f"Nearest {fruit}: " in env.observation()
+        _, reward, _, _, info = env.step(RIGHT)
+        assert (reward, info["bananas_eaten"], len(info["snake"])) == (worth, 1, 5)
+
+
+def test_varied_rules_observations_fit_the_space_and_pass_gymnasiums_checker():
+    env = envs.make("snake", size=5, varied_rules=True, opponent=True, max_steps=30)
+    for seed in range(60):
+        for observation in play_random(env, seed):
+            text = observation if isinstance(observation, str) else observation[0]
+            assert text in env.observation_space, text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(gym.make(envs.GYMNASIUM_IDS["snake"], varied_rules=True).unwrapped)
+
+
+def test_varied_rules_is_a_snake_option_checked_when_the_game_is_made():
+    with pytest.raises(ValueError, match="option apples must be at most 11 with varied_rules"):
+        envs.make("snake", size=5, apples=12, varied_rules=True)
+    with pytest.raises(ValueError, match="varied_rules must be true or false"):
+        envs.make("snake", varied_rules="yes")
+    with pytest.raises(ValueError, match="unknown option"):  # Poison Apple's rules never vary
+        envs.make("snake_poison_apple", varied_rules=True)
+    assert not envs.make("snake").varied_rules
+
+
+# ---------------------------------------------------------------------------------------------
+# Standard Snake and Snake Poison Apple play exactly as they did before varied rules existed
+# ---------------------------------------------------------------------------------------------
+
+
+def play_greedy(env, seed):
+    """Heads for the nearest fruit of either kind, so the traces eat fruit of both kinds."""
+    observation, info = env.reset(seed=seed)
+    trace, done = [observation], False
+    while not done:
+        head, fruit = info["snake"][0], info["apples"] + info["bananas"]
+        target = min(fruit, key=lambda cell: abs(cell[0] - head[0]) + abs(cell[1] - head[1]))
+        moves = [move for move in range(4) if env.is_legal(move)]
+        move = min(moves, key=lambda move: abs(envs.next_cell(head, move)[0] - target[0])
+                   + abs(envs.next_cell(head, move)[1] - target[1]))
+        observation, reward, terminated, truncated, info = env.step(move)
+        trace.append((observation, reward))
+        done = terminated or truncated
+    return trace
+
+
+# sha256 of repr(trace) (observations and rewards), first 16 hex digits, for seeds 0, 1, 2 and
+# the first held-out seed, recorded from the games as they were before varied rules were added.
+RECORDED_TRACES = {
+    ("snake", ()): (
+        ["bb042b212bb1a1fd", "40a21997284f2522", "05a52b60e7709522", "0875764e2be11e96"],
+        ["98252037c8a7b43c", "b0caa33861b883a9", "f45ed35966daa4d6", "f10330a5eb42cf0a"]),
+    ("snake", (("size", 6), ("max_steps", 30), ("opponent", True))): (
+        ["3cf8c57c6f41f7ac", "e3b9917ae2a4bec6", "b92b89677b0b5fb2", "6a457387445996ae"],
+        ["120181b77890d3e6", "dec6eb3dda92e392", "76db950becff7021", "d643e4bffcbcef83"]),
+    ("snake_poison_apple", (("size", 6), ("bananas", 2), ("max_steps", 30))): (
+        ["32e6557f63b80eaf", "e7275962670ab257", "eeb871d695f0ff9a", "156948189bf1d3ac"],
+        ["761d986b3a0568d3", "ad99c1686faa51f5", "ccbd5ad5fead58ef", "52b6986e421e6998"]),
+    ("snake_poison_apple", (("opponent", True), ("bananas", 3))): (
+        ["7f5279f038f09afe", "da2b4b1a8739e1b8", "8dfac793e6e45649", "d939036baab0e6e8"],
+        ["04f251aa26546bff", "496e28fa39464cc6", "c9006a82fdd7405d", "b17afc58f92fc002"]),
+}
+
+
+@pytest.mark.parametrize("name, options", RECORDED_TRACES)
+def test_standard_snake_and_poison_apple_play_as_before_varied_rules(name, options):
+    random_digests, greedy_digests = RECORDED_TRACES[name, options]
+    for seed, random_digest, greedy_digest in zip((0, 1, 2, envs.HELDOUT_SEED_START),
+                                                  random_digests, greedy_digests):
+        for play, digest in ((play_random, random_digest), (play_greedy, greedy_digest)):
+            trace = play(envs.make(name, **dict(options)), seed)
+            assert hashlib.sha256(repr(trace).encode()).hexdigest()[:16] == digest, (play, seed)
