@@ -321,7 +321,7 @@ def run_under_jemalloc(argv: list[str]) -> None:
     otherwise return and run as is. glibc's malloc keeps the memory of freed activations in its
     heap and hands fresh tensors pages it must fault in again; jemalloc reuses and returns them
     (the allocator PyTorch's CPU tuning guides recommend). An update of 16 distinct steps peaks
-    at 3.9 GB under it, 5.5 GB under glibc, and runs 1.1x faster (results/bench_cpu.md). The
+    at 3.9 GB under it, 5.5 GB under glibc, and runs 1.1x faster (results/NOTES.md). The
     numbers computed are the same."""
     library = ctypes.util.find_library("jemalloc")
     if (not library or sys.platform != "linux" or "--no-cpu-speedups" in argv

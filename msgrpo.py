@@ -93,9 +93,9 @@ class Config:
 # recipe it was measured to learn with (results/NOTES.md): Frozen Lake one AdamW step an iteration
 # (the ratio is exactly 1) and a hotter late phase, as a policy sure of its first move makes it in
 # all G episodes at T = 1; Snake minibatches of 16 steps (~6 AdamW steps an iteration, the clip
-# keeping each near the sampling policy: with one step it never read its neighbour line) and a KL
-# to the base (without it, "up" everywhere within 25 iterations), one phase (hotter rollouts undid
-# its format), one-token replies (a small model runs on into its observation's last line).
+# keeping each near the sampling policy: with one step it never read its neighbour line), a KL to
+# the base (without it, "up" everywhere by iteration 37), one phase (hotter rollouts undid its
+# format), one-token replies (a small model runs on into its observation's last line).
 GAME_DEFAULTS = {
     "frozen_lake": {"max_new_tokens": 6, "late_after": 25, "beta": 0.0, "minibatch": 0,
                     "iterations": {"cuda": 100, "cpu": 130}},
@@ -134,14 +134,20 @@ def resolve_defaults(cfg: Config) -> Config:
         cpu_speedups=cfg.cpu_speedups and device_name == "cpu" and not cfg.gradient_checkpointing,
         run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
 
+TRAINING_ONLY_OPTIONS = ("varied_rules",)  # Snake's rules drawn per seed: trained on, not scored
+
 def env_options(cfg: Config) -> dict:
-    return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options}
+    """The options held-out games are played with (evaluation, the probe)."""
+    return {"invalid_penalty": cfg.invalid_penalty,
+            **{k: v for k, v in cfg.env_options.items() if k not in TRAINING_ONLY_OPTIONS}}
 
 def training_env_options(cfg: Config) -> dict:
     """Training rollouts' game options: env_options, starting at cfg.training_start. The games' own
     (Frozen Lake: beside_hole, an ice cell one move from a hole; Snake: facing_wall, the head on the
-    border heading out) make a group's first move decide its return. Evaluation starts as usual."""
-    return {**env_options(cfg), "start": cfg.training_start}
+    border heading out) make a group's first move decide its return. Evaluation starts as usual,
+    on the game's own rules."""
+    return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options,
+            "start": cfg.training_start}
 
 # 2. LAP prompt: the language-agent policy's two ends (observation -> prompt, response -> action)
 SYSTEM_PROMPT = "You are playing a grid game."

@@ -707,3 +707,14 @@ def test_sampled_evaluation_plays_at_temperature_one_whatever_the_rollouts_explo
     result = msgrpo.evaluate_greedy_and_sampled(None, None, cfg)
     assert played == [(True, 2.0), (False, 1.0)] and "sampled" in result
 
+
+
+def test_varied_rules_vary_training_games_only_and_evaluation_plays_the_games_own_rules():
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(env="snake", model="tiny", run_dir="x",
+                                                env_options={"varied_rules": True}))
+    rules = {seed: envs.make("snake", **msgrpo.training_env_options(cfg)).reset(seed=seed)[0]
+             .split("\n")[0] for seed in range(20)}
+    assert len(set(rules.values())) > 1  # training draws its rules per seed
+    standard = envs.make("snake", size=6, max_steps=5).reset(seed=0)[0]
+    held_out = envs.make("snake", **msgrpo.env_options(cfg)).reset(seed=0)[0]
+    assert "varied_rules" not in msgrpo.env_options(cfg) and held_out == standard
