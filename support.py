@@ -135,8 +135,8 @@ def bundled_smollm2_folder() -> Path:
                                                  dtype=torch.float32)
     model.hf_quantizer = None  # the weights are plain tensors now: save them as such
     del model.config.quantization_config
-    return save_folder(folder, lambda path: (model.save_pretrained(path),
-                                             tokenizer.save_pretrained(path)))
+    return save_atomically(folder, lambda path: (model.save_pretrained(path),
+                                                 tokenizer.save_pretrained(path)))
 
 def tiny_model_folder() -> Path:
     """A randomly initialised model of SmolLM2's architecture and tokenizer, for fast tests."""
@@ -151,8 +151,8 @@ def tiny_model_folder() -> Path:
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    return save_folder(folder, lambda path: (model.save_pretrained(path),
-                                             tokenizer.save_pretrained(path)))
+    return save_atomically(folder, lambda path: (model.save_pretrained(path),
+                                                 tokenizer.save_pretrained(path)))
 
 # 3. Run folder: everything needed to inspect, plot and resume a run ----------------------------
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
@@ -215,25 +215,31 @@ def locked_here(lock, path: Path) -> bool:
     except FileNotFoundError:
         return False
 
-def save_text(path: Path, text: str) -> None:
-    """Write a temporary file, then rename it over the old one: a kill leaves one or the other,
-    whole."""
+def save_atomically(path: Path, save) -> Path:
+    """Every save: save(tmp) writes a temporary file or folder beside `path`, which then replaces
+    it, so a kill leaves the one or the other, whole. A failed write (a full disk) stops with one
+    line, its temporary removed and the older one as it was."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    def discard():  # a leftover of a save killed earlier, or of this one
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    try:
+        discard()
+        save(tmp)
+        if tmp.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        else:
+            os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:  # RuntimeError: torch.save's failed writes
+        discard()
+        raise SystemExit(f"error: cannot save {path}: {one_line(error)}")
+    return path
+
+def save_text(path: Path, text: str) -> None:
+    save_atomically(path, lambda tmp: tmp.write_text(text))
 
 def save_json(path: Path, data) -> None:
     save_text(path, json.dumps(data, indent=2))
-
-def save_folder(folder: Path, save) -> Path:
-    """save(path) writes a temporary folder, then it is renamed: an interrupted write leaves
-    nothing."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-    return folder
 
 def one_line(error: BaseException) -> str:
     """An exception as one line of text, for a message that names the file it came from."""
@@ -277,8 +283,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
                 rows.append(json.loads(line))
                 if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
                     raise ValueError("a line without an iteration")
-                if lacking := [k for k in CURVE_FIELDS if type(rows[-1].get(k)) not in (int, float)]:
-                    raise ValueError(f"no number for {', '.join(lacking)}, which the curves plot")
+                if lack := [k for k in CURVE_FIELDS if type(rows[-1].get(k)) not in (int, float)]:
+                    raise ValueError(f"no number for {', '.join(lack)}, which the curves plot")
             except ValueError as error:
                 raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
             if problem := iteration_out_of_order(rows[-1]["iteration"], expected=len(rows)):
@@ -348,7 +354,7 @@ def save_adapter(run_dir: Path, model) -> None:
     handed over: model.state_dict() would walk (and on some CPUs re-layout) every 4-bit base weight
     for nothing."""
     weights = lora_weights(model)
-    save_folder(run_dir / "adapter", lambda path: model.save_pretrained(path, state_dict=weights))
+    save_atomically(run_dir / "adapter", lambda tmp: model.save_pretrained(tmp, state_dict=weights))
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                     extra: dict | None = None) -> None:
@@ -361,8 +367,7 @@ def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, i
              "torch_rng": torch.get_rng_state(),
              **({"cuda_rng": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
              **{name: module.state_dict() for name, module in (extra or {}).items()}}
-    torch.save(state, run_dir / "checkpoint.pt.tmp")
-    os.replace(run_dir / "checkpoint.pt.tmp", run_dir / "checkpoint.pt")
+    save_atomically(run_dir / "checkpoint.pt", lambda tmp: torch.save(state, tmp))
 
 def load_checkpoint(run_dir: Path) -> dict | None:
     path = Path(run_dir) / "checkpoint.pt"
@@ -452,7 +457,7 @@ class Run:
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-        (self.dir / "metrics.jsonl").write_text("")
+        save_text(self.dir / "metrics.jsonl", "")
         save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))
         self.saved = 0  # saved now, so that a run stopped in its first evaluation resumes
         save_iteration(self.dir, self.model, self.optimizer, self.rng, 0, extra=self.extra)
@@ -728,7 +733,7 @@ def plot_curves(run_dir: Path) -> None:
         ax.set(title=title, xlabel="iteration")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(run_dir / "curves.png", dpi=100)
+    save_atomically(run_dir / "curves.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
 
 # 7. Command line ----------------------------------------------------------------------------------
 # The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
@@ -857,7 +862,7 @@ def config_from_args(args: argparse.Namespace, config_class, resolve, game_optio
     game_options(cfg): the options its games are made with (msgrpo.env_options)."""
     given = vars(args).copy()
     if empty := [n for n in ("resume", "run_dir", "model") if n in given and not given[n].strip()]:
-        raise SystemExit(f"error: --{empty[0].replace('_', '-')} is empty: name one, or leave it out")
+        raise SystemExit(f"error: --{empty[0].replace('_', '-')} is empty: name one or omit it")
     resume_dir = given.pop("resume", None)
     overwrite = given.pop("overwrite", False)
     option_texts = given.pop("env_options", [])

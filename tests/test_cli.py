@@ -38,7 +38,8 @@ def stopped(argv, main=msgrpo.main):
     (["--temperature", "-1"], "--temperature"), (["--temperature", "0"], "--temperature"),
     (["--temperature", "nan"], "--temperature"), (["--groups", "0"], "--groups"), (["--lr", "nan"], "--lr"),
     (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--invalid-penalty", "nan"], "--invalid-penalty"),
-    (["--invalid-penalty=-inf"], "--invalid-penalty"), (["--invalid-penalty=-1e308"], "--invalid-penalty"),
+    (["--invalid-penalty=-inf"], "--invalid-penalty"),
+    (["--invalid-penalty=-1e308"], "--invalid-penalty"),
     (["--env-opt", "size=abc"], "size"),
     (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
     (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
@@ -89,29 +90,35 @@ def saved_run(tmp_path):
                                                 run_dir=str(run_dir)))
     support.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
     torch.save({"iteration": 2, "optimizer": {}, "lora": {}}, run_dir / "checkpoint.pt")
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, **CURVES}) + "\n" for i in (1, 2)))
+    (run_dir / "metrics.jsonl").write_text(metrics_lines(1, 2))
     support.save_json(run_dir / "eval.json", [EVALUATION])
     return run_dir
 
 
-CURVES = {"mean_return": 0.0, "success_rate": 0.0, "invalid_rate": 1.0, "distinct_responses": 0.5, "entropy": 2.0,
-          "zero_variance_groups": 8}  # what the curves read of a metrics line
-EVALUATION = {"iteration": 0, "episodes": 2, "success_rate": 0.0, "success_ci95": [0.0, 0.8], "mean_return": 0.0,
-              "return_ci95": [0.0, 0.0], "invalid_rate": 1.0}
+CURVES = {"mean_return": 0.0, "success_rate": 0.0, "invalid_rate": 1.0, "distinct_responses": 0.5,
+          "entropy": 2.0, "zero_variance_groups": 8}  # what the curves read of a metrics line
+EVALUATION = {"iteration": 0, "episodes": 2, "success_rate": 0.0, "success_ci95": [0.0, 0.8],
+              "mean_return": 0.0, "return_ci95": [0.0, 0.0], "invalid_rate": 1.0}
+
+
+def metrics_lines(*iterations, **fields):
+    return "".join(json.dumps({"iteration": i, **CURVES, **fields}) + "\n" for i in iterations)
 
 
 @pytest.mark.parametrize("name, damaged", [
-    ("metrics.jsonl", json.dumps({"iteration": 1, **CURVES}) + "\n"),  # a line lost: 1 line, checkpoint of 2
-    ("metrics.jsonl", '{"iteration": 1}\n' + json.dumps({"iteration": 2, **CURVES}) + "\n"),
-    ("metrics.jsonl", "".join(json.dumps({"iteration": i, **CURVES, "entropy": "high"}) + "\n" for i in (1, 2))),
+    ("metrics.jsonl", metrics_lines(1)),  # a line lost: 1 line, a checkpoint of iteration 2
+    ("metrics.jsonl", '{"iteration": 1}\n' + metrics_lines(2)),
+    ("metrics.jsonl", metrics_lines(1, 2, entropy="high")),
     ("checkpoint.pt", -1), ("checkpoint.pt", "2"), ("checkpoint.pt", 2.0), ("checkpoint.pt", True),
     ("eval.json", {"iteration": 0}), ("eval.json", [0, 1]), ("eval.json", [{"episodes": 2}]),
     ("eval.json", [{**EVALUATION, "iteration": "0"}]), ("eval.json", [{"iteration": 0}]),
-    ("config.json", {"groups": "eight"}), ("config.json", {"quantize": "yes"}), ("config.json", {"lr": "fast"}),
-    ("config.json", {"groups": True}), ("config.json", {"env_options": ["size", 4]})])
-def test_resume_checks_the_run_files_against_each_other_before_the_model_loads(saved_run, name, damaged):
-    """Found before any training: not after an iteration has trained, in the plot at the end, or as a
-    traceback."""
+    ("config.json", {"groups": "eight"}), ("config.json", {"quantize": "yes"}),
+    ("config.json", {"lr": "fast"}), ("config.json", {"groups": True}),
+    ("config.json", {"env_options": ["size", 4]})])
+def test_resume_checks_the_run_files_against_each_other_before_the_model_loads(saved_run, name,
+                                                                               damaged):
+    """Found before any training: not after an iteration has trained, in the plot at the end, or as
+    a traceback."""
     path = saved_run / name
     if name == "checkpoint.pt":
         torch.save({"iteration": damaged, "optimizer": {}, "lora": {}}, path)
@@ -137,7 +144,7 @@ def test_a_damaged_run_file_is_named(saved_run, name, damage):
     ([1, 3], "line 2: iteration 3 where 2 is due: iteration 2 is missing"),
     ([2, 3], "line 1: iteration 2 where 1 is due"), (["one"], "line 1: iteration 'one'")])
 def test_metrics_with_a_repeated_or_missing_iteration_are_refused_by_name(saved_run, lines, named):
-    (saved_run / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, **CURVES}) + "\n" for i in lines))
+    (saved_run / "metrics.jsonl").write_text(metrics_lines(*lines))
     with pytest.raises(SystemExit, match=named):
         support.read_metrics(saved_run)
     assert str(saved_run / "metrics.jsonl") in stopped(["--resume", str(saved_run)])
@@ -263,11 +270,15 @@ def test_baselines_names_a_missing_adapter_folder(tmp_path, capsys):
 
 
 def files_in(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
 
 
-@pytest.mark.parametrize("foreign", [{"config.json": '{"model_type": "llama"}', "model.safetensors": "weights"},
-                                     {"config.json": '{"model_type": "llama"}'}, {"notes.txt": "mine"}])
+MODEL_CONFIG = '{"model_type": "llama"}'
+
+
+@pytest.mark.parametrize("foreign", [{"config.json": MODEL_CONFIG, "model.safetensors": "weights"},
+                                     {"config.json": MODEL_CONFIG}, {"notes.txt": "mine"}])
 def test_a_folder_that_holds_something_else_than_a_run_is_never_written(saved_run, foreign):
     """A model's folder (its config.json has no env) or a run with a file of someone else's: no new
     run, --overwrite or --resume writes there, and nothing in it is deleted."""
@@ -284,7 +295,8 @@ def test_a_folder_that_holds_something_else_than_a_run_is_never_written(saved_ru
     assert files_in(saved_run) == before
 
 
-def test_a_lock_file_that_is_a_link_is_refused_and_what_it_points_to_is_untouched(saved_run, tmp_path):
+def test_a_lock_file_that_is_a_link_is_refused_and_what_it_points_to_is_untouched(saved_run,
+                                                                                   tmp_path):
     precious = tmp_path / "precious.txt"
     precious.write_text("not a lock")
     (saved_run / support.LOCK_FILE).symlink_to(precious)
@@ -295,27 +307,36 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_points_to_is_untouche
     assert precious.read_text() == "not a lock" and (saved_run / support.LOCK_FILE).is_symlink()
 
 
-@pytest.mark.parametrize("argv", [["--resume", ""], ["--run-dir", ""], ["--model", ""], ["--resume", " "],
-                                  ["--invalid-penalty", "-0.5", "--env-opt", "invalid_penalty=-0.2"]])
+@pytest.mark.parametrize("argv", [
+    ["--resume", ""], ["--run-dir", ""], ["--model", ""], ["--resume", " "],
+    ["--invalid-penalty", "-0.5", "--env-opt", "invalid_penalty=-0.2"]])
 def test_empty_paths_and_settings_given_twice_disagreeing_are_refused(argv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where a run started by mistake would write runs/
-    message = stopped(argv + ["--run-dir", str(tmp_path / "run")] * ("--run-dir" not in argv and "--resume" not in argv))
-    assert argv[0] in message and list(tmp_path.iterdir()) == []
+    run_dir = [] if {"--run-dir", "--resume"} & set(argv) else ["--run-dir", str(tmp_path / "run")]
+    assert argv[0] in stopped(argv + run_dir) and list(tmp_path.iterdir()) == []
+
+
+def config_of(argv):
+    args = msgrpo.build_parser().parse_args(argv)
+    return support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults,
+                                    msgrpo.env_options)[0]
 
 
 def test_an_invalid_penalty_game_option_is_the_run_s_invalid_penalty(tmp_path):
     """Given either way, or both ways alike, config.json records the penalty the games add."""
-    for flags in (["--env-opt", "invalid_penalty=-0.5"], ["--invalid-penalty=-0.5", "--env-opt", "invalid_penalty=-0.5"]):
-        args = msgrpo.build_parser().parse_args(flags + ["--run-dir", str(tmp_path)])
-        cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
+    option = ["--env-opt", "invalid_penalty=-0.5"]
+    for flags in (option, ["--invalid-penalty=-0.5", *option]):
+        cfg = config_of(flags + ["--run-dir", str(tmp_path)])
         assert cfg.invalid_penalty == msgrpo.env_options(cfg)["invalid_penalty"] == -0.5
 
 
-CAPS = {"--groups": 4096, "--group-size": 4096, "--lora-r": 4096, "--micro-batch": 4096, "--eval-batch": 4096,
-        "--max-new-tokens": 8192, "--iterations": 1_000_000, "--eval-episodes": 100_000}
+CAPS = {"--groups": 4096, "--group-size": 4096, "--lora-r": 4096, "--micro-batch": 4096,
+        "--eval-batch": 4096, "--max-new-tokens": 8192, "--iterations": 1_000_000,
+        "--eval-episodes": 100_000}
 
 
-@pytest.mark.parametrize("flag, cap", [*CAPS.items(), ("--invalid-penalty", 1000), ("--invalid-penalty", -1000)])
+@pytest.mark.parametrize("flag, cap", [*CAPS.items(), ("--invalid-penalty", 1000),
+                                       ("--invalid-penalty", -1000)])
 def test_sizes_past_their_cap_stop_before_anything_is_allocated(flag, cap, tmp_path):
     past = cap + (1 if cap > 0 else -1)
     message = stopped([f"{flag}={past}", "--run-dir", str(tmp_path / "run")])
@@ -323,7 +344,8 @@ def test_sizes_past_their_cap_stop_before_anything_is_allocated(flag, cap, tmp_p
 
 
 def test_sizes_at_their_cap_are_taken(tmp_path):
-    argv = [f"{flag}={cap}" for flag, cap in CAPS.items()] + ["--invalid-penalty=-1000", "--run-dir", str(tmp_path)]
-    args = msgrpo.build_parser().parse_args(argv)
-    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
-    assert (cfg.groups, cfg.max_new_tokens, cfg.eval_episodes, cfg.invalid_penalty) == (4096, 8192, 100_000, -1000)
+    cfg = config_of([f"{flag}={cap}" for flag, cap in CAPS.items()]
+                    + ["--invalid-penalty=-1000", "--run-dir", str(tmp_path)])
+    at_caps = (4096, 4096, 4096, 8192, 1_000_000, 100_000, -1000)
+    assert (cfg.groups, cfg.group_size, cfg.lora_r, cfg.max_new_tokens, cfg.iterations,
+            cfg.eval_episodes, cfg.invalid_penalty) == at_caps

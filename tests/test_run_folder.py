@@ -1,6 +1,7 @@
 """The run folder: a new run never destroys an old one, and an iteration is saved wholly or not at
 all, wherever the process is killed."""
 
+import errno
 import json
 import os
 import shutil
@@ -250,7 +251,51 @@ def test_an_adapter_whose_weights_fit_no_layer_is_refused_by_name(tmp_path):
     weights = load_file(adapter / "adapter_model.safetensors")
     for renamed in (lambda name: name.replace("layers", "blocks"),  # none loads
                     lambda name: name.replace("layers.0.", "layers.9.")):  # some do not
-        save_file({renamed(name): w for name, w in weights.items()}, adapter / "adapter_model.safetensors")
+        save_file({renamed(name): w for name, w in weights.items()},
+                  adapter / "adapter_model.safetensors")
         with pytest.raises(SystemExit) as refused:
             support.load_adapter(base(), adapter)
         assert str(adapter) in str(refused.value.code) and "\n" not in str(refused.value.code)
+
+
+class LoRAOnly(torch.nn.Module):
+    """The part of a policy a save reads: its LoRA weights, and peft's save_pretrained."""
+
+    def __init__(self):
+        super().__init__()
+        self.lora_A = torch.nn.Parameter(torch.ones(2))
+
+    def save_pretrained(self, folder, state_dict):
+        SaveSteps.half_save_pretrained(self, folder)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_save_onto_a_full_disk_stops_with_one_line_and_leaves_the_older_files(tmp_path,
+                                                                                 monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "adapter").mkdir(parents=True)
+    for name in ("metrics.jsonl", "eval.json", "config.json", "checkpoint.pt",
+                 "adapter/adapter_model.safetensors"):
+        (run_dir / name).write_text("[]" if name == "eval.json" else f"the older {name}")
+    before = snapshot(run_dir)
+
+    def disk_full_after_half(path):
+        with open(path, "w") as f:
+            f.write("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = LoRAOnly()
+    monkeypatch.setattr(support.Path, "write_text", lambda path, text: disk_full_after_half(path))
+    monkeypatch.setattr(torch, "save", lambda state, path: disk_full_after_half(path))
+    optimizer, rng = torch.optim.AdamW(model.parameters()), np.random.default_rng(0)
+    for name, save in [
+            ("metrics.jsonl", lambda: support.save_text(run_dir / "metrics.jsonl", "{}\n")),
+            ("eval.json", lambda: support.record_eval(run_dir, 1, {"episodes": 1})),
+            ("config.json", lambda: support.save_json(run_dir / "config.json", {"env": "snake"})),
+            ("checkpoint.pt", lambda: support.save_checkpoint(run_dir, model, optimizer, rng, 1)),
+            ("adapter", lambda: support.save_adapter(run_dir, model))]:
+        with pytest.raises(SystemExit) as stopped:
+            save()
+        message = str(stopped.value.code)
+        assert str(run_dir / name) in message and "No space left" in message and "\n" not in message
+        assert snapshot(run_dir) == before and not list(run_dir.glob("*.tmp"))
