@@ -5,26 +5,16 @@ episodes; every step of an episode is credited with the episode's return, normal
 group; episodes are drawn in proportion to |advantage| (AAW sampling); a clipped policy loss
 updates LoRA weights on a 4-bit base. Paper: Dilkes, Yazdanpanah, Stein, arXiv 2508.10839.
 
-Read it top to bottom, in the order data flows:
-    1. config          Config, and what it leaves to the game and the device, as data
-    2. LAP prompt      observation text -> chat prompt; response text -> game action
-    3. model           NF4 4-bit base + LoRA adapter (peft)
-    4. rollouts        B groups x G episodes in lockstep; the sampling loop, a token at a time
-    5. returns         R_i = sum_t r_{i,t}
-    6. advantages      A_i = R_i - mean_g R (/ (std_g R + eps) with --std), broadcast to every token
-    7. AAW sampling    draw K episodes without replacement, P(i) proportional to |A_i|
-    8. loss            L = -mean_tokens min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL), and
-                       the log-prob forward it needs
-    9. training loop   rollouts, then msgrpo_update (sections 5-8: epochs x minibatches x
-                       micro-batches), then a checkpoint, per iteration
-   10. evaluation      the policy as an agent on held-out seeds
-   11. main            python msgrpo.py --env frozen_lake
+Sections, in the order data flows: 1. config; 2. LAP prompt (observation -> prompt, reply ->
+action); 3. model (NF4 base + LoRA); 4. rollouts (the sampling loop); 5. returns R_i = sum_t r_it;
+6. advantages A_i = R_i - mean_g R, broadcast to every token; 7. AAW sampling, P(i) ~ |A_i|;
+8. loss, min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL), and the log-prob forward; 9. the
+training loop (epochs x minibatches x micro-batches); 10. evaluation; 11. main.
 
 This is the plain path, the one CUDA runs. On the CPU, cpu_speedups.py swaps in the same numbers
 faster in three places (the rollouts' first forward, the update's batches, the 4-bit weights),
-each under `cfg.cpu_speedups`. support.py holds what is not MS-GRPO: the models' folders, the run
-folder, the probe, plots and the command line. Another algorithm trains in this loop by giving
-train() its `update`.
+under `cfg.cpu_speedups`. support.py holds what is not MS-GRPO: models, run folder, probe, plots,
+command line. Another algorithm trains in this loop by giving train() its `update`.
 """
 
 from __future__ import annotations
@@ -216,16 +206,6 @@ def load_policy(cfg: Config, adapter: str | Path | None = None):
     # LoRA weights stay fp32 (peft's default): bf16 or fp16 would round small updates away.
     return model, tokenizer
 
-def describe_run(cfg: Config, model) -> str:
-    """The start-of-run line: where, on what, in which precision (no silent CPU fallback)."""
-    device = next(model.parameters()).device.type
-    where = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
-    if device == "cpu" and cfg.model == CPU_MODEL:
-        where += f" (no CUDA in this torch: the CPU model, not {GPU_MODEL})"
-    compute = str(compute_dtype(device)).removeprefix("torch.")
-    base = f"{'NF4 4-bit' if cfg.quantize else compute} + LoRA r {cfg.lora_r}"
-    return f"device {where}, model {cfg.model}, compute {compute}, base {base}"
-
 # 4. Rollouts: B groups x G episodes, all live episodes stepped together --------------------------
 def end_token_ids(model, tokenizer) -> set[int]:
     ids = model.generation_config.eos_token_id
@@ -260,15 +240,13 @@ def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor
 def sample_responses(
         model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
         speedups: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
-    """Every prompt's reply, all rows one token at a time; returns the sampled ids and their
-    log-probs. Sampling is softmax(logits / T) and nothing else (no top-k, top-p or repetition
-    penalty) with the weights the update trains, so the loss recomputes log-probs of the very
-    distribution the tokens came from; T = 0 is greedy. The prompts are left-padded, so every
-    row's next token goes at the last position; after the prompts' forward, each step runs only
-    the new token, attending to the keys and values already computed (the KV cache). A row's
-    reply ends at an end token or "</action>"; the loop, once every row's has (or after
-    max_new_tokens). speedups: None for this plain path; a dict for the CPU speed-ups' first
-    forward (cpu_speedups.read_prompts), which keeps the rules' keys and values in it."""
+    """Every prompt's reply, all rows a token at a time: (sampled ids, their log-probs). Sampling
+    is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty), so the loss
+    recomputes log-probs of the very distribution the tokens came from; T = 0 is greedy. Left
+    padding puts every row's next token at the last position; after the prompts' forward, each
+    step runs only the new token against the keys and values kept so far (the KV cache). A reply
+    ends at an end token or "</action>". speedups: None on this plain path; a dict for the CPU
+    speed-ups' first forward (cpu_speedups.read_prompts), which keeps the rules' keys in it."""
     model.eval()
     device = next(model.parameters()).device
     end_ids = end_token_ids(model, tokenizer)
@@ -372,11 +350,9 @@ def zero_variance_groups(returns, group_ids) -> int:
     return int(sum(np.ptp(returns[group_ids == g]) == 0 for g in np.unique(group_ids)))
 
 def episode_length_weights(episodes: list[Episode], chosen) -> np.ndarray:
-    """w_i = mean_j T_j / T_i over the chosen episodes (T = steps): scaling the advantages of
-    episode i's steps by w_i makes the loss's token mean a mean over episodes, each the mean over
-    its own steps (the clipped objective is linear in a positive scale of A). The scale mean_j T_j
-    keeps the loss's size. Under the plain token mean an episode that survives 8 steps outvotes one
-    that falls into a hole at its first, reinforcing habitual moves wherever they were made."""
+    """w_i = mean_j T_j / T_i over the chosen episodes (T = steps): A_i w_i makes the loss's token
+    mean a mean over episodes (the clipped objective is linear in a positive scale of A), so an
+    episode that survives 8 steps does not outvote one that falls into a hole at its first."""
     lengths = np.array([len(ep.responses) for ep in episodes], dtype=float)
     weights = np.ones(len(episodes))
     if len(chosen):
@@ -480,13 +456,10 @@ def chunks(items: list, size: int) -> list[list]:
 
 def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                   rng: np.random.Generator) -> dict:
-    """epochs x minibatches x micro-batches. Each minibatch of cfg.minibatch shuffled steps (all
-    if 0) is one AdamW step; its gradient is summed over micro-batches of cfg.micro_batch steps,
-    as one forward and backward of every step would be too large. Micro-batch m's loss L_m is a
-    mean over its n_m response tokens, so the minibatch's mean over all N is L = sum_m (n_m / N)
-    L_m, and each backward adds (n_m / N) dL_m. With one AdamW step the ratio is exactly 1 (the
-    old log-probs are the new ones, detached); otherwise a scoring pass first records the
-    log-probs of the policy that sampled the rollouts."""
+    """epochs x minibatches x micro-batches: a minibatch of cfg.minibatch shuffled steps (all if
+    0) is one AdamW step, its gradient summed over micro-batches (memory): L_m, a mean over n_m
+    tokens, enters as (n_m / N) L_m. With one AdamW step the ratio is exactly 1 (old = new,
+    detached); otherwise a scoring pass first records the sampling policy's log-probs."""
     model.train()
     order = [steps[i] for i in rng.permutation(len(steps))]
     if cfg.cpu_speedups:  # identical steps one row, the shared prefix once (cpu_speedups.py)
@@ -512,13 +485,13 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                     loss, kl, clipped, tokens = micro_batch_loss(model, batch, logp_old, cfg)
                     weight = tokens / total_tokens  # n_m / N
                     (loss * weight).backward()
-                    logged["loss"] += loss.item() * weight
-                    logged["kl"] += kl.item() * weight
-                    logged["clip_frac"] += clipped / total_tokens
+                    for name, value in (("loss", loss.item() * weight), ("kl", kl.item() * weight),
+                                        ("clip_frac", clipped / total_tokens)):
+                        logged[name] += value
                 params = [p for p in model.parameters() if p.requires_grad]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
+                logged["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
                 optimizer.step()
-                for name, value in {**logged, "grad_norm": grad_norm}.items():
+                for name, value in logged.items():
                     stats[name].append(value)
     return {name: float(np.mean(values)) for name, values in stats.items()}
 
@@ -542,8 +515,8 @@ def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
                   rng: np.random.Generator) -> dict:
-    """MS-GRPO's credit assignment and update: returns (5), group advantages broadcast to steps (6),
-    AAW sampling (7), the clipped loss (8). Another algorithm replaces this one (train's update)."""
+    """Sections 5-8: returns, group advantages broadcast to steps, AAW sampling, the clipped loss.
+    Another algorithm replaces this one (train's update)."""
     returns = episode_returns([ep.rewards for ep in episodes])
     advantages = group_advantages(returns, [ep.group for ep in episodes],
                                   scale=cfg.scale_advantages)
@@ -564,25 +537,11 @@ def train_iteration(model, optimizer, tokenizer, cfg: Config, rng: np.random.Gen
     start = time.time()
     trained = update(model, optimizer, tokenizer, episodes, cfg, rng)
     update_seconds = time.time() - start
-    counts = {key: trained.pop(key)
-              for key in ("episodes_trained", "steps_trained", "tokens_trained")}
-    losses = {key: trained.pop(key, 0.0) for key in ("loss", "clip_frac", "kl")}  # 0: not trained
     returns = episode_returns([ep.rewards for ep in episodes])
-    all_texts = [t for ep in episodes for t in ep.texts]
-    sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
+    zero_variance = zero_variance_groups(returns, [ep.group for ep in episodes])
     snake = issubclass(envs.GAMES[cfg.env], envs.Snake)
-    apples = {"mean_apples": float(np.mean([ep.apples for ep in episodes]))} if snake else {}
-    tokens_per_second = counts["tokens_trained"] / update_seconds if update_seconds > 0 else 0.0
-    return {"mean_return": float(returns.mean()),
-            "success_rate": float(np.mean([ep.success for ep in episodes])),
-            "invalid_rate": sum(ep.invalid for ep in episodes) / len(all_texts),
-            "mean_steps": len(all_texts) / len(episodes), **apples,
-            "zero_variance_groups": zero_variance_groups(returns, [ep.group for ep in episodes]),
-            **counts, "distinct_responses": len(set(all_texts)) / len(all_texts),  # collapse: drops
-            "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per token, Monte-Carlo
-            **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),  # POAD's between
-            "rollout_seconds": rollout_seconds, "update_seconds": update_seconds,
-            "train_tokens_per_second": tokens_per_second}
+    return support.iteration_metrics(episodes, returns, zero_variance, trained, snake,
+                                     rollout_seconds, update_seconds)
 
 def phase_settings(cfg: Config, iteration: int) -> tuple[float, float]:
     """(lr, temperature) for the first cfg.late_after iterations (all if 0), then (late_lr,
@@ -600,7 +559,7 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
         torch.manual_seed(cfg.seed)
         rng = np.random.default_rng(cfg.seed)
         model, tokenizer = load_policy(cfg, adapter=support.older_adapter(cfg.run_dir, checkpoint))
-        print(describe_run(cfg, model))
+        print(support.describe_run(cfg, model, compute_dtype, GPU_MODEL, CPU_MODEL))
         extra = extra_modules(model) if extra_modules else {}
         for name, module in extra.items():
             setattr(model, name, module)  # a submodule now: model.parameters() includes it

@@ -643,6 +643,39 @@ def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> f
     return float(np.mean(wins))
 
 # 6. Curves and tables ---------------------------------------------------------------------------
+def describe_run(cfg, model, compute_dtype, gpu_model: str, cpu_model: str) -> str:
+    """The start-of-run line: where, on what, in which precision (no silent CPU fallback)."""
+    device = next(model.parameters()).device.type
+    where = f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
+    if device == "cpu" and cfg.model == cpu_model:
+        where += f" (no CUDA in this torch: the CPU model, not {gpu_model})"
+    compute = str(compute_dtype(device)).removeprefix("torch.")
+    base = f"{'NF4 4-bit' if cfg.quantize else compute} + LoRA r {cfg.lora_r}"
+    return f"device {where}, model {cfg.model}, compute {compute}, base {base}"
+
+def iteration_metrics(episodes, returns, zero_variance: int, trained: dict, snake: bool,
+                      rollout_seconds: float, update_seconds: float) -> dict:
+    """An iteration's metrics.jsonl line (the iteration, the probe and the phase aside): what the
+    rollouts did (Snake's apples too), and trained, the update's statistics (0 where it trained
+    nothing)."""
+    counts = {key: trained.pop(key)
+              for key in ("episodes_trained", "steps_trained", "tokens_trained")}
+    losses = {key: trained.pop(key, 0.0) for key in ("loss", "clip_frac", "kl")}
+    texts = [t for ep in episodes for t in ep.texts]
+    sampled = [lp for ep in episodes for step in ep.logprobs for lp in step]
+    apples = {"mean_apples": float(np.mean([ep.apples for ep in episodes]))} if snake else {}
+    return {"mean_return": float(returns.mean()),
+            "success_rate": float(np.mean([ep.success for ep in episodes])),
+            "invalid_rate": sum(ep.invalid for ep in episodes) / len(texts),
+            "mean_steps": len(texts) / len(episodes), **apples,
+            "zero_variance_groups": zero_variance,
+            **counts, "distinct_responses": len(set(texts)) / len(texts),  # collapse: drops
+            "entropy": float(-np.mean(sampled)) if sampled else 0.0,  # per token, Monte-Carlo
+            **losses, **trained, "grad_norm": trained.get("grad_norm", 0.0),  # POAD's between
+            "rollout_seconds": rollout_seconds, "update_seconds": update_seconds,
+            "train_tokens_per_second": counts["tokens_trained"] / update_seconds
+            if update_seconds > 0 else 0.0}
+
 def progress_line(m: dict) -> str:
     probe = (f"hole/ice P(down) {m['probe_down_ratio']:.2f} P(right) {m['probe_right_ratio']:.2f}  "
              f"probe maps won greedily {m.get('probe_greedy_success', math.nan):.2f}  "
