@@ -916,6 +916,8 @@ def train_poad_main(algo: str, argv: list[str]) -> Path:
     d = POADConfig()
     for name, text in [("gamma", "discount"), ("gae-lambda", "GAE lambda"), ("vf-coef", "value-loss weight")]:
         parser.add_argument(f"--{name}", type=float, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    minibatch = parser._option_string_actions["--minibatch"]
+    minibatch.help = f"steps per optimizer step (default {d.minibatch})"
     args = parser.parse_args(argv)
     args.algo = algo
     cfg, resume = support.config_from_args(args, POADConfig, msgrpo.resolve_defaults, msgrpo.env_options,

@@ -40,44 +40,55 @@ from support import read_metrics  # msgrpo.read_metrics(run_dir): a run's metric
 # 1. Config ---------------------------------------------------------------------------------------
 GPU_MODEL, CPU_MODEL = "Qwen/Qwen2.5-3B-Instruct", "smollm2-135m"
 
+def setting(default, help: str):  # a Config field: its default and its flag's one line of --help
+    return field(default=default, metadata={"help": help})
+
 @dataclass
 class Config:
-    env: str = "frozen_lake"  # the game: frozen_lake, snake or snake_poison_apple (envs.GAMES)
-    env_options: dict = field(default_factory=dict)  # passed to envs.make, e.g. {"size": 4}
-    model: str = ""  # "" = GPU_MODEL on CUDA, CPU_MODEL on the CPU; or "tiny", a hub id, a path
-    quantize: bool = True  # NF4 4-bit base weights (bitsandbytes), computing in compute_dtype
-    lora_r: int = 8  # LoRA rank
-    iterations: int = 0  # 0 = 100 on CUDA, 130 on the CPU (Snake 70); --resume RUN --iterations N
-    groups: int = 8  # B: start states per iteration
-    group_size: int = 8  # G: episodes per start state
-    late_after: int = -1  # early-phase iterations (phase_settings); 0 = one phase; -1 = the game's
-    temperature: float = 1.0  # rollout temperature of the early phase
-    late_temperature: float = 1.5  # rollout (and loss) temperature of the late phase
-    lr: float = 2e-4  # AdamW learning rate of the early phase
-    late_lr: float = 1e-4  # AdamW learning rate of the late phase
-    training_start: str = ""  # where training games start (training_env_options); "" = the game's
-    think: bool = False  # ask for <think>...</think> before the action
-    prefill: bool = True  # end the prompt with "<action>" when not thinking: just the move is left
-    max_new_tokens: int = 0  # reply tokens; 0 = 6 ("right</action>" is 4), Snake 1, thinking 256
-    invalid_penalty: float = -0.1  # reward added for an unparseable or illegal reply
-    scale_advantages: bool = False  # also divide A by the group's std (the paper's form, --std)
-    episode_mean: bool = True  # every trained episode weighs the same, whatever its length
-    sampling: str = "aaw"  # which episodes train: aaw | uniform | all (choose_episodes)
-    sample_frac: float = 0.5  # K = ceil(sample_frac * B * G)
-    epochs: int = 1  # passes over the sampled steps
-    minibatch: int = -1  # steps per optimizer step; 0 = all (ratio exactly 1); -1 = 0, Snake 16
-    micro_batch: int = 0  # distinct steps per forward/backward (its memory); 0 = 16, 4 thinking
-    grad_clip: float = 1.0  # max gradient norm
-    beta: float = -1.0  # KL weight to the reference (adapter off); -1 = the game's: 0, Snake 0.1
-    eps_clip: float = 0.2  # ratio clip
-    gradient_checkpointing: bool = False  # on by default on CUDA (support.config_from_args)
-    cpu_speedups: bool = True  # cpu_speedups.py, the same numbers faster; CPU only, no checkpointing
-    eval_every: int = 0  # 0 = evaluate only before and after training
-    eval_episodes: int = 200  # held-out episodes per evaluation
-    eval_batch: int = 0  # episodes in lockstep when evaluating; 0 = 64 on the CPU, 32 on CUDA
-    probe_every: int = 5  # iterations between map-reading probes (Frozen Lake, support.py); 0 = off
-    seed: int = 0  # random seed
-    run_dir: str = ""  # "" = runs/<env>-<time>
+    env: str = setting("frozen_lake", "the game: frozen_lake, snake or snake_poison_apple")
+    env_options: dict = field(default_factory=dict, metadata={"help": "game options (envs.make), "
+                              "repeatable: size=4, slippery=true, max_steps=16, opponent=true ..."})
+    model: str = setting("", f'the base model: "" = {GPU_MODEL} on CUDA, {CPU_MODEL} on the CPU; '
+                             'or "tiny", a hub id, a path')
+    quantize: bool = setting(True, "NF4 4-bit base weights (bitsandbytes), in compute_dtype")
+    lora_r: int = setting(8, "LoRA rank")
+    iterations: int = setting(0, "training iterations; 0 = 100 on CUDA, 130 on the CPU (Snake 70); "
+                                 "more: --resume RUN --iterations N")
+    groups: int = setting(8, "B: start states per iteration")
+    group_size: int = setting(8, "G: episodes per start state")
+    late_after: int = setting(-1, "early-phase iterations; 0 = one phase; -1 = the game's")
+    temperature: float = setting(1.0, "rollout temperature of the early phase")
+    late_temperature: float = setting(1.5, "rollout (and loss) temperature of the late phase")
+    lr: float = setting(2e-4, "AdamW learning rate of the early phase")
+    late_lr: float = setting(1e-4, "AdamW learning rate of the late phase")
+    training_start: str = setting("", "where training games start; \"\" = the game's own")
+    think: bool = setting(False, "ask for <think>...</think> before the action")
+    prefill: bool = setting(True, 'end the prompt with "<action>" when not thinking')
+    max_new_tokens: int = setting(0, 'reply tokens; 0 = 6 ("right</action>" is 4), Snake 1, '
+                                     "thinking 256")
+    invalid_penalty: float = setting(-0.1, "reward added for an unparseable or illegal reply")
+    scale_advantages: bool = setting(False, "also divide A by the group's std (the paper's form)")
+    episode_mean: bool = setting(True, "every trained episode weighs the same, whatever its length")
+    sampling: str = setting("aaw", "which episodes train: aaw | uniform | all (choose_episodes)")
+    sample_frac: float = setting(0.5, "K = ceil(sample_frac * B * G)")
+    epochs: int = setting(1, "passes over the sampled steps")
+    minibatch: int = setting(-1, "steps per optimizer step; 0 = all (ratio 1); -1 = 0, Snake 16")
+    micro_batch: int = setting(0, "distinct steps per forward/backward (its memory); 0 = 16, "
+                                  "4 thinking")
+    grad_clip: float = setting(1.0, "max gradient norm")
+    beta: float = setting(-1.0, "KL weight to the reference (adapter off); -1 = the game's: 0, "
+                                "Snake 0.1")
+    eps_clip: float = setting(0.2, "ratio clip")
+    gradient_checkpointing: bool = setting(False, "trade compute for memory; on by default on CUDA")
+    cpu_speedups: bool = setting(True, "cpu_speedups.py, the same numbers faster; CPU only, "
+                                       "no checkpointing")
+    eval_every: int = setting(0, "0 = evaluate only before and after training")
+    eval_episodes: int = setting(200, "held-out episodes per evaluation")
+    eval_batch: int = setting(0, "episodes in lockstep when evaluating; 0 = 64 on the CPU, "
+                                 "32 on CUDA")
+    probe_every: int = setting(5, "iterations between map-reading probes (Frozen Lake); 0 = off")
+    seed: int = setting(0, "random seed")
+    run_dir: str = setting("", 'where the run is written; "" = runs/<env>-<time>')
 
 # What Config leaves to the game and the device ("" / 0 / -1 above), as data. Each game keeps the
 # recipe it was measured to learn with (results/NOTES.md): Frozen Lake one AdamW step an iteration
@@ -627,9 +638,8 @@ def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes:
 
 # 11. main: the command line (support.py: the flags, and the checks before the model loads) ------
 def build_parser():
-    """python msgrpo.py --help: a flag for every setting, with its default."""
-    return support.build_parser(Config(), __doc__.split("\n\n")[0],
-                                default_model=f"{GPU_MODEL} on CUDA, {CPU_MODEL} on the CPU")
+    """python msgrpo.py --help: a flag for every setting of Config, its help and default."""
+    return support.build_parser(Config, __doc__.split("\n\n")[0])
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)

@@ -8,7 +8,7 @@
     4. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
     5. map-reading probe  does P(move) drop where the move walks into a hole?
     6. curves and tables  curves.png, the evaluation table, the line printed per iteration
-    7. command line       the flags, their ranges, the checks made before any model loads
+    7. command line       Config's fields as flags, their ranges, the checks before the model loads
 
 The CPU speed-ups are in cpu_speedups.py. Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
 would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
@@ -769,64 +769,33 @@ def plot_curves(run_dir: Path) -> None:
     save_atomically(run_dir / "curves.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
 
 # 7. Command line ----------------------------------------------------------------------------------
-# The numeric flags: (flag, type, help, allowed(value), what the error says it must be). A value
-# outside its range would fail late (after the model loads) or run and learn nothing, so
-# validate_config stops first. Sizes and counts are capped: far past any use, they would fill the
-# memory (or the disk) before anything failed.
-NUMERIC_FLAGS = [
-    ("lora-r", int, "LoRA rank", lambda v: 1 <= v <= 4096, "from 1 to 4096"),
-    ("iterations", int, "training iterations (0: 100 on CUDA, 130 on the CPU, Snake 70)",
-     lambda v: 1 <= v <= 1_000_000, "from 1 to 1000000 (0: the device's default)"),
-    ("groups", int, "B: start states per iteration", lambda v: 1 <= v <= 4096, "from 1 to 4096"),
-    ("group-size", int, "G: episodes per start state", lambda v: 2 <= v <= 4096,
-     "from 2 to 4096: an episode is judged against its group, so a group of one never learns"),
-    ("temperature", float, "rollout sampling temperature of the early phase",
-     lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
-    ("late-temperature", float, "rollout sampling temperature after --late-after iterations",
-     lambda v: v > 0, "above 0"),
-    ("max-new-tokens", int, "tokens per response (0: 6, 1 on Snake, or 256 with --think)",
-     lambda v: 1 <= v <= 8192, "from 1 to 8192"),
-    ("invalid-penalty", float, "reward added for an unparseable or illegal response",
-     lambda v: -1000 <= v <= 1000, "from -1000 to 1000"),
-    ("sample-frac", float, "K = ceil(frac * B * G) episodes trained on",
-     lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    ("epochs", int, "passes over the sampled steps", lambda v: v >= 1, "at least 1"),
-    ("minibatch", int, "steps per optimizer step, 0: all (default 0; Snake 16)",
-     lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
-    ("micro-batch", int,
-     "distinct steps per forward/backward (0: 16, 4 with --think): lower it if memory runs "
-     "out",
-     lambda v: 1 <= v <= 4096, "from 1 to 4096"),
-    ("late-after", int, "iterations of the early phase (--lr, --temperature), then the late one "
-                        "(--late-lr, --late-temperature); 0: the early phase throughout "
-                        "(default 25; Snake 0)",
-     lambda v: v >= 0, "at least 0"),
+# What a numeric setting may be, checked before the model loads: (allowed(value), what it must be).
+# Out of range, it would fail late or learn nothing; sizes and counts capped far past any use.
+def between(low, high, note=""):
+    return lambda v: low <= v <= high, f"from {low} to {high}{note}"
+
+ABOVE_0, AT_LEAST_0 = (lambda v: v > 0, "above 0"), (lambda v: v >= 0, "at least 0")
+SETTING_RANGES = {
+    "lora_r": between(1, 4096), "groups": between(1, 4096), "micro_batch": between(1, 4096),
+    "eval_batch": between(1, 4096), "max_new_tokens": between(1, 8192),
+    "eval_episodes": between(0, 100_000), "invalid_penalty": between(-1000, 1000),
+    "iterations": between(1, 1_000_000, " (0: the device's default)"),
+    "group_size": between(2, 4096, ": an episode is judged against its group, so a group of one "
+                                    "never learns"),
+    "seed": between(0, 2**64 - 1),  # what torch.manual_seed takes
+    "temperature": (lambda v: v > 0, "above 0 (held-out evaluation is greedy anyway)"),
+    "late_temperature": ABOVE_0, "grad_clip": ABOVE_0, "eps_clip": ABOVE_0,
+    "minibatch": (lambda v: v >= 0, "at least 0 (0: all sampled steps)"),
+    "late_after": AT_LEAST_0, "beta": AT_LEAST_0, "eval_every": AT_LEAST_0,
+    "probe_every": AT_LEAST_0, "epochs": (lambda v: v >= 1, "at least 1"),
     # An AdamW step moves each weight by up to lr: above 1 the weights (or the step size itself, in
     # float32) overflow within an iteration or two.
-    ("lr", float, "AdamW learning rate of the early phase",
-     lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    ("late-lr", float, "AdamW learning rate after --late-after iterations",
-     lambda v: 0 < v <= 1, "above 0 and at most 1"),
-    ("grad-clip", float, "max gradient norm", lambda v: v > 0, "above 0"),
-    ("beta", float, "KL weight to the adapter-disabled reference (default 0; Snake 0.1)",
-     lambda v: v >= 0, "at least 0"),
-    ("eps-clip", float, "ratio clip", lambda v: v > 0, "above 0"),
-    ("eval-every", int, "iterations between held-out evaluations (0: before and after only)",
-     lambda v: v >= 0, "at least 0"),
-    ("eval-episodes", int, "held-out episodes per evaluation", lambda v: 0 <= v <= 100_000,
-     "from 0 to 100000"),
-    ("seed", int, "random seed", lambda v: 0 <= v < 2**64,  # what torch.manual_seed takes
-     f"from 0 to {2**64 - 1}"),
-    ("eval-batch", int, "episodes played in lockstep when evaluating, the run's memory peak: "
-                        "lower it if evaluation runs out of memory (0: 64 on the CPU, 32 on CUDA, "
-                        "for a 12 GB card)",
-     lambda v: 1 <= v <= 4096, "from 1 to 4096"),
-    ("probe-every", int, "iterations between map-reading probes, frozen_lake only (0: off)",
-     lambda v: v >= 0, "at least 0"),
-]
-# What validate_config checks, by setting: (allowed(value), what it must be).
-SETTING_RANGES = {flag.replace("-", "_"): (allowed, must)
-                  for flag, _, _, allowed, must in NUMERIC_FLAGS}
+    **dict.fromkeys(("sample_frac", "lr", "late_lr"), (lambda v: 0 < v <= 1,
+                                                       "above 0 and at most 1")),
+}
+CHOICES = {"env": envs.ENV_NAMES, "sampling": ("aaw", "uniform", "all"), "training_start":
+           list(dict.fromkeys(start for game in envs.GAMES.values() for start in game.starts))}
+FLAGS = {"env_options": "--env-opt", "scale_advantages": "--std"}  # not named after the setting
 
 def parse_env_option(text: str) -> tuple[str, str]:
     """KEY=VALUE, split only: the game types VALUE (envs.option_from_text) once --env is known."""
@@ -835,57 +804,37 @@ def parse_env_option(text: str) -> tuple[str, str]:
     key, value = text.split("=", 1)
     return key.strip(), value
 
-def build_parser(defaults, description: str, default_model: str) -> argparse.ArgumentParser:
-    """A flag for every setting of `defaults` (a Config), each help ending in its default;
-    default_model says which model runs when --model is not given."""
-    # Defaults are suppressed so we know which flags were given: they override a resumed config.
-    p = argparse.ArgumentParser(description=description, argument_default=argparse.SUPPRESS,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = defaults
-    p.add_argument("--env", choices=envs.ENV_NAMES, help=f"game (default {d.env})")
-    p.add_argument("--env-opt", dest="env_options", action="append", type=parse_env_option,
-                   metavar="KEY=VALUE",
-                   help="game option, repeatable: size=4, slippery=true, max_steps=16, "
-                        "hole_penalty=-1, opponent=true ...")
-    p.add_argument("--model", help=f"smollm2-135m, tiny, a hub id or a local path "
-                                   f"(default: {default_model})")
-    p.add_argument("--no-quantize", dest="quantize", action="store_false",
-                   help="keep the base in bf16/fp32")
-    for flag, kind, text, _, _ in NUMERIC_FLAGS:  # a default that depends on the game is in text
-        default = "" if "(default" in text else f" (default {getattr(d, flag.replace('-', '_'))})"
-        p.add_argument(f"--{flag}", type=kind, help=text + default)
-    p.add_argument("--sampling", choices=["aaw", "uniform", "all"],
-                   help="episode sampling (default aaw)")
-    p.add_argument("--std", dest="scale_advantages", action=argparse.BooleanOptionalAction,
-                   help="divide advantages by the group's std, as the paper does "
-                        "(default off: R - mean)")
-    p.add_argument("--episode-mean", action=argparse.BooleanOptionalAction,
-                   help="each trained episode weighs the same in the loss, whatever its length "
-                        "(default on; off: a plain mean over all response tokens)")
-    starts = dict.fromkeys(start for game in envs.GAMES.values() for start in game.starts)
-    p.add_argument("--training-start", choices=starts,
-                   help="where training games start (default: the game's own: frozen_lake "
-                        "beside_hole, an ice cell one move from a hole; hole_toward_goal, one "
-                        "where a move toward the goal walks into a hole; rule_loses, one from "
-                        "which 'down unless hole or edge, else right' loses; snake facing_wall, "
-                        "the head on the border heading out); held-out evaluation starts where the "
-                        "game always does (S, standard)")
-    p.add_argument("--think", action=argparse.BooleanOptionalAction,
-                   help="ask for <think> before the action")
-    p.add_argument("--prefill", action=argparse.BooleanOptionalAction,
-                   help="end the prompt with <action> when not thinking (default on)")
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
-                   help="trade compute for memory (default on with CUDA)")
-    p.add_argument("--cpu-speedups", action=argparse.BooleanOptionalAction,
-                   help="on the CPU, the same numbers faster (cpu_speedups.py; default on on the "
-                        "CPU, off on CUDA and with gradient checkpointing)")
-    p.add_argument("--run-dir", help="where the run is written (default runs/<env>-<time>)")
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a run; flags given override its config "
-                        "(--env-opt adds to its game options)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start a new run in a --run-dir that holds one, deleting it")
-    return p
+def build_parser(config_class, description: str) -> argparse.ArgumentParser:
+    """A flag for each field of config_class, its help the field's: HfArgumentParser's (--lora-r N,
+    or --lora_r N) but a switch (--think, --no-think) and --env-opt KEY=VALUE. Only the flags given
+    are in the namespace parsed: they override a resumed config, which keeps the rest."""
+    from transformers import HfArgumentParser  # here: not a second more for every import
+
+    class ConfigParser(HfArgumentParser):
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            name, flag = field.name, FLAGS.get(field.name, "--" + field.name.replace("_", "-"))
+            text = field.metadata["help"] + f" (default {field.default})" * (field.default != "")
+            if name == "env_options":
+                parser.add_argument(flag, dest=name, action="append", metavar="KEY=VALUE",
+                                    type=parse_env_option, help=field.metadata["help"])
+            elif field.type is bool:  # HfArgumentParser's --think [false] has no --no-think
+                parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                    help=text)
+            else:
+                HfArgumentParser._parse_dataclass_field(parser, field)
+                parser._actions[-1].help, parser._actions[-1].choices = text, CHOICES.get(name)
+
+    parser = ConfigParser(config_class, description=description, argument_default=argparse.SUPPRESS,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run; flags given "
+                        "override its config (--env-opt adds to its game options)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in a --run-dir that holds one, deleting it")
+    for action in parser._actions:  # HfArgumentParser's defaults too: only flags given are kept
+        action.option_strings[:] = [f for f in action.option_strings if "_" not in f]  # in help
+        action.default = argparse.SUPPRESS
+    return parser
 
 def config_from_args(args: argparse.Namespace, config_class, resolve, game_options,
                      ranges=None) -> tuple:

@@ -183,6 +183,18 @@ def test_resume_refuses_what_would_make_it_another_run(saved_run, flags, named):
     assert (saved_run / "config.json").read_text() == before
 
 
+def test_each_setting_of_config_is_a_flag_and_only_the_flags_given_are_parsed():
+    parser = msgrpo.build_parser()
+    fields = msgrpo.dataclasses.fields(msgrpo.Config)
+    assert all(field.metadata["help"] for field in fields)
+    assert {field.name for field in fields} <= {action.dest for action in parser._actions}
+    assert vars(parser.parse_args([])) == {}  # so a resumed run keeps what is not given
+    args = parser.parse_args(["--lora_r", "4", "--no-std", "--std", "--no-quantize", "--think",
+                              "--no-gradient-checkpointing", "--env-opt", "size=4"])
+    assert vars(args) == {"lora_r": 4, "scale_advantages": True, "quantize": False, "think": True,
+                          "gradient_checkpointing": False, "env_options": [("size", "4")]}
+
+
 def test_resume_takes_new_training_settings_and_the_run_s_own_values(saved_run):
     args = msgrpo.build_parser().parse_args([
         "--resume", str(saved_run), "--iterations", "5", "--lr", "1e-3", "--late-after", "3",
