@@ -288,8 +288,9 @@ def sample_responses(
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
             position_ids = position_ids + 1
-            logits = model(input_ids=token, attention_mask=attention_mask, position_ids=position_ids,
-                           cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(input_ids=token, attention_mask=attention_mask,
+                           position_ids=position_ids, cache=cache, use_cache=True,
+                           logits_to_keep=1).logits[:, -1]
     return replies, logprobs
 
 @dataclass

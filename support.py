@@ -10,9 +10,9 @@
     6. curves and tables  curves.png, the evaluation table, the line printed per iteration
     7. command line       Config's fields as flags, their ranges, the checks before the model loads
 
-The CPU speed-ups are in cpu_speedups.py. Nothing here imports msgrpo (running `python msgrpo.py` makes it __main__, and a second import
-would make a second Config class): what this needs of it, the Config class, resolve_defaults, the
-game options and the LAP prompt, is passed in.
+The CPU speed-ups are in cpu_speedups.py. Nothing here imports msgrpo (running `python msgrpo.py`
+makes it __main__, and a second import would make a second Config class): what this needs of it,
+the Config class, resolve_defaults, the game options and the LAP prompt, is passed in.
 """
 
 from __future__ import annotations
