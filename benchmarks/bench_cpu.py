@@ -3,7 +3,7 @@
     python benchmarks/bench_cpu.py --out results/bench_cpu.md   # SmolLM2-135M, the trained adapter
     python benchmarks/bench_cpu.py --model tiny --groups 1 --group-size 4   # a quick check
 
-One model and one set of steps, played and trained both ways (msgrpo.Config.cpu_speedups):
+One policy and one set of steps, played and trained both ways (msgrpo.Config.cpu_speedups):
     plain       msgrpo.py as CUDA runs it (cpu_speedups=False; python msgrpo.py --no-cpu-speedups):
                 the sampling loop msgrpo.sample_responses reading every prompt whole, on
                 bitsandbytes' 4-bit layers, which dequantize each weight in every forward and again
@@ -28,16 +28,20 @@ gradient norm, of the same steps on each side, shows it here.
 (b) a trained step: msgrpo.update_policy over every step of the plain side's rollouts, with
     advantages +1 and -1 in turn and AdamW at learning rate 0, so both sides train the same steps
     on the same weights; seconds per step; and the peak resident memory while it runs (sampled
-    from /proc every 5 ms; the process's model copies included);
+    from /proc every 5 ms; the side's model copies included);
 (c) the peak resident memory of msgrpo.update_policy on a first iteration's varied steps (the base
     model's, at T = 1), whose micro-batches hold --micro-batch distinct steps each: the update's
     true peak.
-The plain side runs first, so the speed-ups' kept fp32 weights are not in its memory, and before
-each memory measure the allocator hands back what was freed (release_freed_memory), so one side's
-leftovers are not counted in the other's peak. (a) and (b) are timed --repeats times after an
-untimed run (oneDNN's timings and the kept weights are made once); the median is reported. The
-memory allocator is a process's, so it cannot be switched side by side: the command runs under
-jemalloc as msgrpo.py does where the system has it (results/NOTES.md compares the two). Prints a
+Each side runs in a process of its own, one after the other (the command starts itself again
+with --side plain, then --side speed-ups), so neither side's memory, allocator state or model
+reaches the other's timings and peaks: run after the plain side in one process, the speed-ups'
+rollouts timed several times slower than in a fresh one. The plain side plays the steps both
+train and writes them to a file the speed-ups side reads; each loads the same policy, seeded
+alike. Within a side, before each memory measure the allocator hands back what was freed
+(release_freed_memory), so one measure's leftovers are not counted in the next's peak. (a) and
+(b) are timed --repeats times after an untimed run (oneDNN's timings and the kept weights are
+made once); the median is reported. The command runs under jemalloc as msgrpo.py does where the
+system has it, and so does each side (results/NOTES.md compares the two allocators). Prints a
 Markdown table, measure | plain | speed-ups, with plain / speed-ups in bold (how many times
 faster, or how many times less memory); --out writes it to a file too.
 """
@@ -48,9 +52,12 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -200,7 +207,33 @@ def table(results: dict, header: str) -> str:
         + " | ".join(f"{values['grad_norm']:.5f}" for values in results.values()) + " |"])
 
 
+def as_json_steps(steps) -> list:
+    return [[[int(t) for t in prompt], [int(t) for t in response], float(advantage)]
+            for prompt, response, advantage in steps]
+
+
+def run_side(args, cfg, adapter) -> dict:
+    """One side (--side) in this process: its measures, written to --side-json. The plain side
+    plays the steps both sides train and writes them to --steps; the speed-ups side reads them."""
+    torch.manual_seed(0)
+    model, tokenizer = msgrpo.load_policy(cfg, adapter=adapter)
+    seeds = list(range(101, 101 + args.groups))
+    if args.side == "plain":
+        episodes = play(model, tokenizer, cfg, seeds)
+        played = {"steps": as_json_steps(steps_of(episodes)),
+                  "varied": as_json_steps(first_iteration_steps(model, tokenizer, cfg, seeds)),
+                  "env_steps": sum(len(ep.rewards) for ep in episodes)}
+        args.steps.write_text(json.dumps(played))
+    played = json.loads(args.steps.read_text())
+    steps, varied = ([tuple(step) for step in played[key]] for key in ("steps", "varied"))
+    measures = measure(model, tokenizer, cfg, seeds, steps, varied, args.repeats)
+    measures.update(threads=torch.get_num_threads(), allocator=allocator())
+    args.side_json.write_text(json.dumps(measures))
+    return measures
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=msgrpo.CPU_MODEL)
     parser.add_argument("--adapter", type=Path,
@@ -219,6 +252,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2,
                         help="timings per measure (the median is reported)")
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--side", choices=SIDES,
+                        help="measure this side only, in this process (the command runs each so)")
+    parser.add_argument("--side-json", type=Path, help="with --side: write its measures here")
+    parser.add_argument("--steps", type=Path,
+                        help="with --side: the steps both sides train (the plain side writes them)")
     args = parser.parse_args(argv)
     adapter = args.adapter or (DEFAULT_ADAPTER if args.model == msgrpo.CPU_MODEL else None)
 
@@ -227,31 +265,38 @@ def main(argv=None):
         temperature=args.temperature, env_options={"max_steps": args.max_steps},
         micro_batch=args.micro_batch, run_dir="unused"))
     sides = {side: dataclasses.replace(cfg, cpu_speedups=side == "speed-ups") for side in SIDES}
-    seeds = list(range(101, 101 + args.groups))
-    torch.manual_seed(0)
-    model, tokenizer = msgrpo.load_policy(cfg, adapter=adapter)
-    # The steps both sides train, played on the plain side: the speed-ups' kept weights are made
-    # only once the plain side is measured.
-    episodes = play(model, tokenizer, sides["plain"], seeds)
-    steps = steps_of(episodes)
-    varied = first_iteration_steps(model, tokenizer, sides["plain"], seeds)
-    results = {side: measure(model, tokenizer, side_cfg, seeds, steps, varied, args.repeats)
-               for side, side_cfg in sides.items()}
+    if args.side:
+        return run_side(args, sides[args.side], adapter)
+
+    # Each side in a fresh process, the plain side first: it plays the steps both sides train.
+    with tempfile.TemporaryDirectory() as folder:
+        steps_file = Path(folder) / "steps.json"
+        results = {}
+        for side in SIDES:
+            side_json = Path(folder) / f"{side}.json"
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--side", side,
+                            "--side-json", str(side_json), "--steps", str(steps_file)],
+                           check=True)
+            results[side] = json.loads(side_json.read_text())
+        played = json.loads(steps_file.read_text())
+    steps, varied = played["steps"], played["varied"]
 
     prompts = [p for p, _, _ in steps]
     policy = adapter.resolve().relative_to(ROOT) if adapter else "a new adapter"
     distinct, tokens = len(set(map(tuple, prompts))), np.mean([len(p) for p in prompts])
     rows = {side: micro_batch_rows(steps, side_cfg) for side, side_cfg in sides.items()}
+    threads = " / ".join(sorted({str(r.pop("threads")) for r in results.values()}))
+    allocators = " / ".join(sorted({r.pop("allocator") for r in results.values()}))
     header = (
-        f"Model {args.model}, {torch.get_num_threads()} threads; the policy: {policy}; "
+        f"Model {args.model}, {threads} threads; the policy: {policy}; "
         f"{args.groups} groups x {args.group_size} episodes at T = {args.temperature}, step limit "
-        f"{args.max_steps}: {sum(len(ep.rewards) for ep in episodes)} env steps, {distinct} "
+        f"{args.max_steps}: {played['env_steps']} env steps, {distinct} "
         f"distinct prompts of {tokens:.0f} tokens, "
         f"{cpu_speedups.shared_prefix_length(prompts)} shared by all; the update's micro-batches "
         f"(at most {cfg.micro_batch}) hold {', '.join(map(str, rows['plain']))} steps (plain), "
         f"{', '.join(map(str, rows['speed-ups']))} distinct steps (speed-ups); (c): {len(varied)} "
-        f"steps of the base model at T = 1. Memory allocator: {allocator()}. In bold: plain / "
-        f"speed-ups.")
+        f"steps of the base model at T = 1. Each side in a process of its own. Memory allocator: "
+        f"{allocators}. In bold: plain / speed-ups.")
     text = table(results, header)
     print(text)
     if args.out:
