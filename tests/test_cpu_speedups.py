@@ -19,7 +19,8 @@ import torch
 
 import cpu_speedups
 import msgrpo
-from test_msgrpo import _lap_steps, _logprobs_and_lora_grads, _tiny_policy_with_a_trained_adapter
+from test_msgrpo import (  # noqa: F401 (tiny: the tiny policy, a fixture)
+    _lap_steps, _logprobs_and_lora_grads, _tiny_policy_with_a_trained_adapter, tiny)
 from test_same_metrics import tiny_model_that_names_moves
 
 LOGPROB_TOLERANCE = 1e-4
@@ -77,14 +78,6 @@ def test_the_speedups_are_on_on_the_cpu_only_and_off_with_gradient_checkpointing
 
 
 # --- sampling ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
-    torch.manual_seed(0)
-    model, tokenizer = msgrpo.load_policy(cfg)
-    return cfg, model, tokenizer
 
 
 def test_reading_prompts_once_samples_what_the_plain_loop_samples(tiny):
