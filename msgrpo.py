@@ -257,7 +257,7 @@ def sample_responses(
     padding puts every row's next token at the last position; after the prompts' forward, each
     step runs only the new token against the keys and values kept so far (the KV cache). A reply
     ends at an end token or "</action>". speedups: None on this plain path; a dict for the CPU
-    speed-ups' first forward (cpu_speedups.read_prompts), which keeps the rules' keys in it."""
+    speed-ups' first forward (cpu_speedups.read_prompts), keeping the rules' keys and values."""
     model.eval()
     device = next(model.parameters()).device
     end_ids = end_token_ids(model, tokenizer)
