@@ -78,10 +78,11 @@ def test_evaluation_replies_and_rollouts_get_their_log_probs():
 
 def test_the_start_of_run_line_names_device_model_precision_and_quantisation():
     model = torch.nn.Linear(1, 1)
-    line = support.describe_run(tiny_config(), model, msgrpo.compute_dtype, msgrpo.GPU_MODEL, msgrpo.CPU_MODEL)
+    names = (msgrpo.compute_dtype, msgrpo.GPU_MODEL, msgrpo.CPU_MODEL)
+    line = support.describe_run(tiny_config(), model, *names)
     assert line == "device cpu, model tiny, compute float32, base NF4 4-bit + LoRA r 8"
-    line = support.describe_run(msgrpo.Config(model=msgrpo.CPU_MODEL, quantize=False, lora_r=4), model,
-                                msgrpo.compute_dtype, msgrpo.GPU_MODEL, msgrpo.CPU_MODEL)
+    cpu_config = msgrpo.Config(model=msgrpo.CPU_MODEL, quantize=False, lora_r=4)
+    line = support.describe_run(cpu_config, model, *names)
     assert f"no CUDA in this torch: the CPU model, not {msgrpo.GPU_MODEL}" in line
     assert line.endswith("base float32 + LoRA r 4")
 

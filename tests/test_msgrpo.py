@@ -602,7 +602,8 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     probabilities[2, [0, 3]] = [0.1, 0.15]  # (0, 2): down a hole, right the edge, so left + up count
     probabilities[0, [0, 3]] = [0.3, 0.3]  # (0, 0): right is ice, so this state does not
 
-    def fake_move_probabilities(model, tokenizer, prompts, micro_batch, greedy=False, speedups=True):
+    def fake_move_probabilities(model, tokenizer, prompts, micro_batch, greedy=False,
+                                speedups=True):
         assert prompts == [f"prompt of {obs}" for _, _, obs in states] and greedy
         return probabilities, probabilities.argmax(1)
 
