@@ -216,13 +216,14 @@ def read_prompts(model, prompts: list[list[int]], pad_id: int, max_new_tokens: i
     out = model(input_ids=suffix_ids.to(device), attention_mask=attention_mask.to(device),
                 position_ids=position_ids.to(device), cache=cache, use_cache=True,
                 logits_to_keep=1)
-    logits, attention_mask = out.logits[rows.to(device), -1], attention_mask[rows].to(device)
+    device_rows = rows.to(device)
+    logits, attention_mask = out.logits[device_rows, -1], attention_mask[rows].to(device)
     if max_new_tokens <= 1:  # the reply is the first token: no forward reads the cache
         return logits, None, attention_mask
     static = StaticCache(config=model.config,
                          max_cache_len=out.cache.get_seq_length() + max_new_tokens - 1)
     for layer, prompt_layer in zip(static.layers, out.cache.layers):
-        layer.update(prompt_layer.keys[rows.to(device)], prompt_layer.values[rows.to(device)])
+        layer.update(prompt_layer.keys[device_rows], prompt_layer.values[device_rows])
     return logits, static, attention_mask
 
 # 3. Steps: identical steps one row, the shared prefix once, a prefix tree ----------------------

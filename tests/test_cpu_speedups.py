@@ -80,6 +80,19 @@ def test_the_speedups_are_on_on_the_cpu_only_and_off_with_gradient_checkpointing
 # --- sampling ---------------------------------------------------------------------------------
 
 
+def _assert_samples_as_the_plain_loop(model, tokenizer, prompts, speedups: dict):
+    """Same seed, the plain loop and the speed-ups (their dict `speedups`): the same replies, and
+    log-probs within LOGPROB_TOLERANCE."""
+    runs = []
+    for side in (None, speedups):
+        torch.manual_seed(5)
+        runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, side))
+    (plain_ids, plain_logp), (fast_ids, fast_logp) = runs
+    assert fast_ids == plain_ids
+    for plain_row, fast_row in zip(plain_logp, fast_logp):
+        np.testing.assert_allclose(fast_row, plain_row, atol=LOGPROB_TOLERANCE)
+
+
 def test_reading_prompts_once_samples_what_the_plain_loop_samples(tiny):
     """Same seed, plain and with the speed-ups' first forward (the shared prefix and each distinct
     prompt read once, a preallocated cache): the same replies and log-probs, repeated prompts
@@ -87,14 +100,7 @@ def test_reading_prompts_once_samples_what_the_plain_loop_samples(tiny):
     cfg, model, tokenizer = tiny
     four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
     for prompts in (four + four[::-1] + four[:1], four[:1] * 3):  # 9 rows of 4 prompts; 3 of one
-        runs = []
-        for speedups in (None, {}):
-            torch.manual_seed(5)
-            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, speedups))
-        (plain_ids, plain_logp), (fast_ids, fast_logp) = runs
-        assert fast_ids == plain_ids
-        for plain_row, fast_row in zip(plain_logp, fast_logp):
-            np.testing.assert_allclose(fast_row, plain_row, atol=LOGPROB_TOLERANCE)
+        _assert_samples_as_the_plain_loop(model, tokenizer, prompts, {})
 
 
 def test_kept_prefixes_sample_what_the_plain_loop_samples(tiny):
@@ -105,14 +111,7 @@ def test_kept_prefixes_sample_what_the_plain_loop_samples(tiny):
     four = [step[0] for step in _lap_steps(tokenizer, cfg, ["", "", "", ""])]
     kept = {}
     for prompts in [four, four[:1], four[::-1]]:
-        runs = []
-        for speedups in (None, kept):
-            torch.manual_seed(5)
-            runs.append(msgrpo.sample_responses(model, tokenizer, prompts, 6, 1.0, speedups))
-        (plain_ids, plain_logp), (kept_ids, kept_logp) = runs
-        assert kept_ids == plain_ids
-        for plain_row, kept_row in zip(plain_logp, kept_logp):
-            np.testing.assert_allclose(kept_row, plain_row, atol=LOGPROB_TOLERANCE)
+        _assert_samples_as_the_plain_loop(model, tokenizer, prompts, kept)
     assert len(kept) == 1  # computed by the first call, found by the others
     (prefix,) = kept
     assert len(prefix) == cpu_speedups.shared_prefix_length(four) > 0
