@@ -1,15 +1,12 @@
 """The CPU speed-ups: msgrpo.py's plain path, the same numbers in less time and memory on a CPU.
 
-msgrpo.py never needs this file to be understood. With Config.cpu_speedups (on by default on the
-CPU, off on CUDA and with gradient checkpointing; --no-cpu-speedups turns it off) it swaps in
-three things, and nothing else:
+msgrpo.py never needs this file to be understood. Config.cpu_speedups (on by default on the CPU
+without gradient checkpointing; --no-cpu-speedups turns it off) swaps in four things, no more:
 
-    1. 4-bit weights   each NF4 base weight dequantized once and kept, multiplied by oneDNN's
-                       kernel where it times faster; attention over the grouped key/value heads
-                       (dequantized_4bit_weights, around rollouts and the update)
-    2. prompts         the rollout's first forward: each distinct prompt read once, the prefix
-                       they all share read once and kept from one call to the next, the cache
-                       preallocated for the reply (read_prompts)
+    1. 4-bit weights   NF4 base weights dequantized once and kept, oneDNN's kernel where it times
+                       faster, attention on grouped key/value heads (dequantized_4bit_weights)
+    2. prompts         the rollout's first forward: each distinct prompt read once, the shared
+                       prefix once, kept across calls, the cache preallocated (read_prompts)
     3. steps           the update's batches: identical steps one row, the shared prefix once,
                        a prefix tree for the rest (collate_steps, response_logprobs)
     4. allocator       jemalloc, where the system has it (run_under_jemalloc)
@@ -35,24 +32,18 @@ import torch
 from support import left_pad, left_padded_positions
 
 # 1. 4-bit weights: dequantized once, the faster kernel, grouped-query attention ----------------
-def cpu_4bit_layers(model) -> list:
-    """The bitsandbytes 4-bit layers whose weights live on the CPU (none on CUDA)."""
-    import bitsandbytes as bnb
-    return [m for m in model.modules()
-            if isinstance(m, bnb.nn.Linear4bit) and m.weight.device.type == "cpu"]
-
 @contextmanager
 def dequantized_4bit_weights(model):
     """Sample and train with each 4-bit base weight dequantized once and kept. bitsandbytes'
     differentiable CPU path dequantizes every weight in every forward and again in every backward
-    (y = x W^T needs W; so does dL/dx = dL/dy W), though W is the same matrix each time: the base
-    never changes. Here each layer computes y = x W^T with its kept W, the same numbers
-    bitsandbytes computes, in rollouts as in the update, so the tokens are sampled from exactly
-    the policy the loss scores. The price is the fp32 copy (~0.4 GB for SmolLM2-135M), so this
-    runs on the CPU only; elsewhere, or entered again inside itself, it does nothing. Inside it,
-    attention runs on the grouped key/value heads too (grouped_query_attention)."""
+    (y = x W^T needs W; so does dL/dx = dL/dy W), though the base never changes. The kept W gives
+    bitsandbytes' numbers, in rollouts as in the update, so tokens are sampled from exactly the
+    policy the loss scores. The price is the fp32 copy (~0.4 GB for SmolLM2-135M), so this runs on
+    the CPU only; elsewhere, or entered again inside itself, it does nothing. Inside it, attention
+    runs on the grouped key/value heads too (grouped_query_attention)."""
     import bitsandbytes as bnb
-    layers = [layer for layer in cpu_4bit_layers(model) if "forward" not in vars(layer)]
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)
+              and m.weight.device.type == "cpu" and "forward" not in vars(m)]
     for layer in layers:
         if not hasattr(layer, "dequantized_weight"):
             layer.dequantized_weight = bnb.functional.dequantize_4bit(layer.weight.data,
@@ -70,12 +61,10 @@ FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"  # transformers' switch: sdpa's enable
 
 @contextmanager
 def grouped_query_attention():
-    """Attention over the key/value heads as they are. SmolLM2-135M has 9 query heads and 3
-    key/value heads; given an attention mask, transformers copies each key/value head 3 times
-    before attention, and under autograd the copies are kept for the backward. torch's CPU
-    attention takes grouped heads (enable_gqa), so no copies: the same numbers up to float
-    rounding, an update's peak memory 0.6 GB lower at micro-batches of 16 steps and its step
-    1.1-1.3x faster."""
+    """Attention over the key/value heads as they are. Given a mask, transformers copies each of
+    SmolLM2-135M's 3 key/value heads 3 times (it has 9 query heads), and autograd keeps the copies.
+    torch's CPU attention takes grouped heads (enable_gqa): the same numbers up to float rounding,
+    an update's peak memory 0.6 GB lower at micro-batches of 16 steps, its step 1.1-1.3x faster."""
     before = os.environ.get(FORCE_GQA)
     os.environ[FORCE_GQA] = "1"
     try:
@@ -101,10 +90,9 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
 
 class OneDNNFrozenLinear(torch.autograd.Function):
-    """y = x W^T, and in backward dL/dx = dL/dy W, both through oneDNN; W is the frozen base, so
-    there is no dL/dW. torch sends fp32 matmuls to MKL, which on some CPUs (AVX-512 ones measured)
-    runs at about half oneDNN's speed; the results agree to float rounding (the sums are added in
-    another order). weight_t is W^T, kept contiguous so the backward reads it as fast."""
+    """y = x W^T, and in backward dL/dx = dL/dy W, both through oneDNN; W is the frozen base: no
+    dL/dW. torch sends fp32 matmuls to MKL, half as fast on some CPUs (AVX-512 measured); results
+    agree to float rounding (sums in another order). weight_t: W^T, contiguous for the backward."""
 
     @staticmethod
     def forward(ctx, x, weight, weight_t):
@@ -124,10 +112,8 @@ def rows_bucket(x: torch.Tensor) -> int:
 
 @functools.cache
 def onednn_is_faster(weight_shape: tuple[int, int], rows: int) -> bool:
-    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and this
-    many rows on the CPU at hand? Timed once per shape and row count, forward and backward
-    products, the best of 5 each: which one wins depends on the CPU and on the rows, so it is
-    measured rather than assumed."""
+    """Is oneDNN's fp32 linear faster than torch's default (MKL) for this weight shape and row count
+    on this CPU? It depends on all three: timed once each, forward and backward, best of 5."""
     if not torch.backends.mkldnn.is_available():
         return False
     out_features, in_features = weight_shape
@@ -159,9 +145,8 @@ def distinct_rows(items: list) -> tuple[list, torch.Tensor]:
     return distinct, torch.tensor([row_of[item] for item in items])
 
 def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
-    """How many leading tokens all sequences share, leaving at least `keep` tokens of each row out.
-    Every LAP prompt starts with the same system prompt, rules and action list: ~90 of SmolLM2's
-    ~160 on Frozen Lake."""
+    """How many leading tokens all sequences share, short of each one's last `keep`. Every LAP
+    prompt opens alike (system prompt, rules, actions): ~90 of SmolLM2's ~160 on Frozen Lake."""
     if len(sequences) < 2:
         return 0
     first, limit = sequences[0], min(len(s) for s in sequences) - keep
@@ -171,11 +156,10 @@ def shared_prefix_length(sequences: list[list[int]], keep: int = 1) -> int:
     return length
 
 def prefix_cache(model, prefix_ids: torch.Tensor, rows: int, kept: dict | None = None):
-    """Prefix caching: the keys and values of the shared prefix, computed once, repeated for each
-    row. A token sees earlier tokens only through their keys and values, so this gives the same
-    numbers as running the prefix in every row; under autograd the repeat sums the rows' gradients
-    back into it. kept (prefix tokens -> their keys and values) carries them from one call to the
-    next while the weights stay the same: a prefix found there is not computed again."""
+    """The shared prefix's keys and values, computed once, repeated for each row: a token sees
+    earlier ones only through these, so the numbers are those of the prefix run in every row (under
+    autograd the repeat sums the rows' gradients back). kept (prefix tokens -> keys and values)
+    carries them to the next call while the weights stay the same: a kept prefix is not rerun."""
     from transformers import DynamicCache
     key = tuple(prefix_ids.tolist())
     if kept is not None and key in kept:
@@ -195,14 +179,12 @@ def kept_prefix(kept: dict, prompts: list[tuple]) -> tuple:
             if all(len(p) > len(prefix) and p[:len(prefix)] == prefix for p in prompts)]
     return max(fits, key=len, default=())
 
-def read_prompts(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int,
-                 kept: dict):
+def read_prompts(model, prompts: list[list[int]], pad_id: int, max_new_tokens: int, kept: dict):
     """The rollout's first forward, as msgrpo.sample_responses reads it: (next-token logits [N, V],
     the cache, the attention mask [N, L]). Each distinct prompt is read once (a group's episodes
-    share their first prompt), the prefix they all share once (prefix_cache; kept carries the
-    rules' keys and values to the next call), and the cache is copied to every row once, into
-    tensors with room for the reply (transformers' StaticCache): appending then writes in place,
-    where a growing cache would copy every row's keys and values again at every token."""
+    share their first prompt), their shared prefix once (prefix_cache, kept across calls), and the
+    cache copied to every row once, with room for the reply (StaticCache): appending then writes
+    in place, where a growing cache would copy every row's keys and values again at every token."""
     from transformers import StaticCache
     device = next(model.parameters()).device
     distinct, rows = distinct_rows([tuple(p) for p in prompts])
@@ -214,8 +196,7 @@ def read_prompts(model, prompts: list[list[int]], pad_id: int, max_new_tokens: i
                                 suffix_mask], 1)
     position_ids = left_padded_positions(attention_mask)[:, shared:]
     out = model(input_ids=suffix_ids.to(device), attention_mask=attention_mask.to(device),
-                position_ids=position_ids.to(device), cache=cache, use_cache=True,
-                logits_to_keep=1)
+                position_ids=position_ids.to(device), cache=cache, use_cache=True, logits_to_keep=1)
     device_rows = rows.to(device)
     logits, attention_mask = out.logits[device_rows, -1], attention_mask[rows].to(device)
     if max_new_tokens <= 1:  # the reply is the first token: no forward reads the cache
@@ -229,9 +210,9 @@ def read_prompts(model, prompts: list[list[int]], pad_id: int, max_new_tokens: i
 # 3. Steps: identical steps one row, the shared prefix once, a prefix tree ----------------------
 @dataclass
 class SharedSteps:
-    """msgrpo.StepBatch's steps, each distinct step one row after the prefix every row shares
-    (system prompt, rules, actions), step_rows saying which row each step reads. A group starts
-    from one observation and often answers alike, so many steps are the same."""
+    """msgrpo.StepBatch's steps, each distinct one a row after the prefix all share (system prompt,
+    rules, actions); step_rows: the row each step reads. A group starts from one observation and
+    often answers alike, so many steps are the same."""
     input_ids: torch.Tensor  # [U, L] the distinct steps, each after the shared prefix
     attention_mask: torch.Tensor  # [U, L] 1 on prompt and response tokens
     response_mask: torch.Tensor  # [U, L] 1 on response tokens only
@@ -254,16 +235,14 @@ def collate_steps(steps: list[tuple[list[int], list[int], float]], pad_id: int) 
     for row, (_, response) in enumerate(distinct):
         if response:
             response_mask[row, -len(response):] = 1
-    return SharedSteps(input_ids, attention_mask, response_mask,
+    return SharedSteps(input_ids, attention_mask, response_mask, step_rows=step_rows,
                        advantages=torch.tensor([a for _, _, a in steps], dtype=torch.float32),
-                       prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long),
-                       step_rows=step_rows)
+                       prefix_ids=torch.tensor(sequences[0][:shared], dtype=torch.long))
 
 def micro_batches(minibatch: list, size: int) -> list[list]:
-    """A minibatch's steps sorted, so identical ones sit side by side, and cut into slices of at
-    most `size` distinct steps (all in one when size is 0): collate_steps makes identical steps
-    one row, so a micro-batch holds `size` rows however often each repeats. A minibatch's gradient
-    is a sum over its steps, whatever their order and grouping."""
+    """A minibatch's steps sorted, identical ones side by side, cut into slices of at most `size`
+    distinct steps (all in one when size is 0): collate_steps makes identical steps one row, so a
+    slice holds `size` rows. The gradient sums over the steps, whatever their order and grouping."""
     slices, keys = [], set()
     for step in sorted(minibatch, key=lambda step: (step[0], step[1])):
         key = (tuple(step[0]), tuple(step[1]))
@@ -277,8 +256,7 @@ def micro_batches(minibatch: list, size: int) -> list[list]:
 def response_logprobs(model, batch: SharedSteps, n: int, temperature: float, token_logprobs):
     """msgrpo.response_logprobs of every step, (logprobs [N, n], mask [N, n]): each distinct row's
     logits at its last n + 1 positions (last_logits), token_logprobs(logits, targets, T) on them,
-    and each step handed its row's values: the loss and its gradients are those of a row per
-    step."""
+    each step handed its row's values: the loss and its gradients are those of a row per step."""
     logits = last_logits(model, batch.input_ids, batch.attention_mask, batch.prefix_ids, n + 1)
     logprobs = token_logprobs(logits, batch.input_ids[:, -n:], temperature)
     rows = batch.step_rows.to(logits.device)
@@ -286,11 +264,10 @@ def response_logprobs(model, batch: SharedSteps, n: int, temperature: float, tok
 
 def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torch.Tensor:
     """Logits at the last `keep` positions of left-padded rows that all continue prefix_ids, read
-    as a prefix tree: the prefix every row shares, then each distinct head (a row but its last
-    `keep` positions), then each row's tail. The G episodes of a group share their first prompt
-    and their replies differ only in the tail, so a head is often several rows': its keys and
-    values are computed once and copied to each (under autograd the copies' gradients add up in
-    it). Position ids follow the attention mask, as when sampling."""
+    as a prefix tree: the shared prefix, each distinct head (a row but its last `keep` positions),
+    each row's tail. A group's G episodes share their first prompt and differ in the tail, so a
+    head is often several rows': its keys and values are computed once and copied to each (under
+    autograd their gradients add up in it). Position ids follow the mask, as when sampling."""
     device = next(model.parameters()).device
     split, shared = input_ids.shape[1] - keep, len(prefix_ids)
     attention_mask = torch.cat([torch.ones(len(input_ids), shared, dtype=torch.long),
@@ -310,20 +287,17 @@ def last_logits(model, input_ids, attention_mask, prefix_ids, keep: int) -> torc
                       position_ids=position_ids[first_row, :split].to(device), cache=cache,
                       use_cache=True, logits_to_keep=1).cache
     cache.batch_select_indices(head_of_row.to(device))
-    return model(input_ids=input_ids[:, split:].to(device),
-                 attention_mask=attention_mask.to(device),
-                 position_ids=position_ids[:, split:].to(device), cache=cache, use_cache=True,
-                 logits_to_keep=keep).logits
+    return model(input_ids=input_ids[:, split:].to(device), cache=cache, use_cache=True,
+                 attention_mask=attention_mask.to(device), logits_to_keep=keep,
+                 position_ids=position_ids[:, split:].to(device)).logits
 
 # 4. The allocator ----------------------------------------------------------------------------
 def run_under_jemalloc(argv: list[str]) -> None:
-    """Start this command again with jemalloc as the memory allocator, where the system has it
-    (Linux: the libjemalloc2 package), it is not loaded yet and --no-cpu-speedups is not given;
-    otherwise return and run as is. glibc's malloc keeps the memory of freed activations in its
-    heap and hands fresh tensors pages it must fault in again; jemalloc reuses and returns them
-    (the allocator PyTorch's CPU tuning guides recommend). An update of 16 distinct steps peaks
-    at 3.9 GB under it, 5.5 GB under glibc, and runs 1.1x faster (results/NOTES.md). The
-    numbers computed are the same."""
+    """Rerun this command under jemalloc where the system has it (Linux: libjemalloc2), it is not
+    loaded yet and --no-cpu-speedups is not given; else return. glibc's malloc keeps freed memory in
+    its heap and hands fresh tensors pages it must fault in again; jemalloc reuses and returns them
+    (as PyTorch's CPU tuning guides recommend). An update of 16 distinct steps peaks at 3.9 GB under
+    it, 5.5 GB under glibc, and runs 1.1x faster (results/NOTES.md), with the same numbers."""
     library = ctypes.util.find_library("jemalloc")
     if (not library or sys.platform != "linux" or "--no-cpu-speedups" in argv
             or "jemalloc" in os.environ.get("LD_PRELOAD", "")):

@@ -5,11 +5,10 @@ episodes; every step of an episode is credited with the episode's return, normal
 group; episodes are drawn in proportion to |advantage| (AAW sampling); a clipped policy loss
 updates LoRA weights on a 4-bit base. Paper: Dilkes, Yazdanpanah, Stein, arXiv 2508.10839.
 
-Sections, in the order data flows: 1. config; 2. LAP prompt (observation -> prompt, reply ->
-action); 3. model (NF4 base + LoRA); 4. rollouts (the sampling loop); 5. returns R_i = sum_t r_it;
-6. advantages A_i = R_i - mean_g R, broadcast to every token; 7. AAW sampling, P(i) ~ |A_i|;
-8. loss, min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL), and the log-prob forward; 9. the
-training loop (epochs x minibatches x micro-batches); 10. evaluation; 11. main.
+Sections, in the order data flows: 1. config; 2. LAP prompt; 3. model; 4. rollouts (the sampling
+loop); 5. returns R_i = sum_t r_it; 6. advantages A_i = R_i - mean_g R, broadcast to every token;
+7. AAW sampling, P(i) ~ |A_i|; 8. loss, min(rho A, clip(rho, 1 - eps, 1 + eps) A) (+ beta KL), and
+the log-prob forward; 9. the training loop; 10. evaluation; 11. main.
 
 This is the plain path, the one CUDA runs. On the CPU, cpu_speedups.py swaps in the same numbers
 faster in three places (the rollouts' first forward, the update's batches, the 4-bit weights),
@@ -36,9 +35,10 @@ import cpu_speedups
 import envs
 import support
 from support import read_metrics  # msgrpo.read_metrics(run_dir): a run's metrics.jsonl, as rows
+# What Config leaves to the game and the device ("" / 0 / -1 below): support.py's tables, as data.
+from support import CPU_MODEL, GPU_MODEL, resolve_defaults
 
 # 1. Config ---------------------------------------------------------------------------------------
-GPU_MODEL, CPU_MODEL = "Qwen/Qwen2.5-3B-Instruct", "smollm2-135m"
 
 def setting(default, help: str):  # a Config field: its default and its flag's one line of --help
     return field(default=default, metadata={"help": help})
@@ -52,8 +52,7 @@ class Config:
                              'or "tiny", a hub id, a path')
     quantize: bool = setting(True, "NF4 4-bit base weights (bitsandbytes), in compute_dtype")
     lora_r: int = setting(8, "LoRA rank")
-    iterations: int = setting(0, "training iterations; 0 = 100 on CUDA, 130 on the CPU (Snake 70); "
-                                 "more: --resume RUN --iterations N")
+    iterations: int = setting(0, "training iterations; 0 = 100 on CUDA, 130 on the CPU (Snake 70)")
     groups: int = setting(8, "B: start states per iteration")
     group_size: int = setting(8, "G: episodes per start state")
     late_after: int = setting(-1, "early-phase iterations; 0 = one phase; -1 = the game's")
@@ -64,8 +63,7 @@ class Config:
     training_start: str = setting("", "where training games start; \"\" = the game's own")
     think: bool = setting(False, "ask for <think>...</think> before the action")
     prefill: bool = setting(True, 'end the prompt with "<action>" when not thinking')
-    max_new_tokens: int = setting(0, 'reply tokens; 0 = 6 ("right</action>" is 4), Snake 1, '
-                                     "thinking 256")
+    max_new_tokens: int = setting(0, "reply tokens; 0 = 6 (Frozen Lake), Snake 1, thinking 256")
     invalid_penalty: float = setting(-0.1, "reward added for an unparseable or illegal reply")
     scale_advantages: bool = setting(False, "also divide A by the group's std (the paper's form)")
     episode_mean: bool = setting(True, "every trained episode weighs the same, whatever its length")
@@ -73,67 +71,18 @@ class Config:
     sample_frac: float = setting(0.5, "K = ceil(sample_frac * B * G)")
     epochs: int = setting(1, "passes over the sampled steps")
     minibatch: int = setting(-1, "steps per optimizer step; 0 = all (ratio 1); -1 = 0, Snake 16")
-    micro_batch: int = setting(0, "distinct steps per forward/backward (its memory); 0 = 16, "
-                                  "4 thinking")
+    micro_batch: int = setting(0, "distinct steps a forward/backward (memory); 0 = 16 (thinking 4)")
     grad_clip: float = setting(1.0, "max gradient norm")
-    beta: float = setting(-1.0, "KL weight to the reference (adapter off); -1 = the game's: 0, "
-                                "Snake 0.1")
+    beta: float = setting(-1.0, "KL weight to the reference (adapter off); -1 = 0, Snake 0.1")
     eps_clip: float = setting(0.2, "ratio clip")
     gradient_checkpointing: bool = setting(False, "trade compute for memory; on by default on CUDA")
-    cpu_speedups: bool = setting(True, "cpu_speedups.py, the same numbers faster; CPU only, "
-                                       "no checkpointing")
+    cpu_speedups: bool = setting(True, "cpu_speedups.py: the same numbers faster (CPU only)")
     eval_every: int = setting(0, "0 = evaluate only before and after training")
     eval_episodes: int = setting(200, "held-out episodes per evaluation")
-    eval_batch: int = setting(0, "episodes in lockstep when evaluating; 0 = 64 on the CPU, "
-                                 "32 on CUDA")
+    eval_batch: int = setting(0, "episodes in lockstep when evaluating; 0 = 64 on CPU, 32 on CUDA")
     probe_every: int = setting(5, "iterations between map-reading probes (Frozen Lake); 0 = off")
     seed: int = setting(0, "random seed")
     run_dir: str = setting("", 'where the run is written; "" = runs/<env>-<time>')
-
-# What Config leaves to the game and the device ("" / 0 / -1 above), as data. Each game keeps the
-# recipe it was measured to learn with (results/NOTES.md): Frozen Lake one AdamW step an iteration
-# (the ratio is exactly 1) and a hotter late phase, as a policy sure of its first move makes it in
-# all G episodes at T = 1; Snake minibatches of 16 steps (~6 AdamW steps an iteration, the clip
-# keeping each near the sampling policy: with one step it never read its neighbour line), a KL to
-# the base (without it, "up" everywhere by iteration 37), one phase (hotter rollouts undid its
-# format), one-token replies (a small model runs on into its observation's last line).
-GAME_DEFAULTS = {
-    "frozen_lake": {"max_new_tokens": 6, "late_after": 25, "beta": 0.0, "minibatch": 0,
-                    "iterations": {"cuda": 100, "cpu": 130}},
-    "snake": {"max_new_tokens": 1, "late_after": 0, "beta": 0.1, "minibatch": 16,
-              "iterations": {"cuda": 100, "cpu": 70}},
-}
-# Snake's board on the CPU is 6x6 with 5 steps (the paper's 10x10 and 20 on a GPU): with 20-100
-# steps a small model's episodes nearly all end in a wall, so surviving is never rewarded.
-DEVICE_DEFAULTS = {
-    "cuda": {"model": GPU_MODEL, "eval_batch": 32, "snake_options": {"size": 10, "max_steps": 20}},
-    "cpu": {"model": CPU_MODEL, "eval_batch": 64, "snake_options": {"size": 6, "max_steps": 5}},
-}
-THINKING_DEFAULTS = {"max_new_tokens": 256, "micro_batch": 4}  # a reasoned reply is long
-
-def resolve_defaults(cfg: Config) -> Config:
-    """Fill what Config leaves to the game and the device, so config.json records what ran."""
-    if cfg.sampling not in ("aaw", "uniform", "all"):
-        raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
-    device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = DEVICE_DEFAULTS[device_name]
-    game_class = envs.GAMES[cfg.env]
-    snake = issubclass(game_class, envs.Snake)
-    game = GAME_DEFAULTS["snake" if snake else "frozen_lake"]
-    chosen = {**game, **(THINKING_DEFAULTS if cfg.think else {})}
-    return dataclasses.replace(
-        cfg, model=cfg.model or device["model"],
-        env_options={**(device["snake_options"] if snake else {}), **cfg.env_options},
-        training_start=cfg.training_start or game_class.training_start,
-        iterations=cfg.iterations or game["iterations"][device_name],
-        late_after=game["late_after"] if cfg.late_after < 0 else cfg.late_after,
-        beta=game["beta"] if cfg.beta < 0 else cfg.beta,
-        minibatch=game["minibatch"] if cfg.minibatch < 0 else cfg.minibatch,
-        max_new_tokens=cfg.max_new_tokens or chosen["max_new_tokens"],
-        micro_batch=cfg.micro_batch or chosen.get("micro_batch", 16),
-        eval_batch=cfg.eval_batch or device["eval_batch"],
-        cpu_speedups=cfg.cpu_speedups and device_name == "cpu" and not cfg.gradient_checkpointing,
-        run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 TRAINING_ONLY_OPTIONS = ("varied_rules",)  # Snake's rules drawn per seed: trained on, not scored
 
@@ -143,10 +92,8 @@ def env_options(cfg: Config) -> dict:
             **{k: v for k, v in cfg.env_options.items() if k not in TRAINING_ONLY_OPTIONS}}
 
 def training_env_options(cfg: Config) -> dict:
-    """Training rollouts' game options: env_options, starting at cfg.training_start. The games' own
-    (Frozen Lake: beside_hole, an ice cell one move from a hole; Snake: facing_wall, the head on the
-    border heading out) make a group's first move decide its return. Evaluation starts as usual,
-    on the game's own rules."""
+    """Training rollouts' game options, starting at cfg.training_start: the games' own (beside_hole,
+    facing_wall) make a group's first move decide its return. Evaluation starts as usual."""
     return {"invalid_penalty": cfg.invalid_penalty, **cfg.env_options,
             "start": cfg.training_start}
 
@@ -224,16 +171,13 @@ def end_token_ids(model, tokenizer) -> set[int]:
     return ids | {tokenizer.eos_token_id}
 
 def ends_reply(ids: list[int], end_ids: set[int], tokenizer) -> bool:
-    """Whether a reply's last token ends it: an end token, or the token that completes </action>.
-    Asked after every token until it holds, so a </action> ending earlier was already seen; the
-    one ending here lies in the last len(ACTION_END) tokens (each writes at least one character)."""
+    """Whether a reply's last token ends it: an end token, or one completing </action> (asked after
+    every token, so that lies in the last len(ACTION_END) tokens, each at least one character)."""
     return ids[-1] in end_ids or ACTION_END in tokenizer.decode(ids[-len(ACTION_END):])
 
 def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / T) (T = 0: the most likely), and its log-prob.
-    Inverse transform sampling: the first token whose cumulative probability reaches a uniform
-    draw u ~ U(0, 1), one draw per row (torch.multinomial draws one exponential per vocabulary
-    entry instead: ~49k random numbers per row)."""
+    """One token per row from softmax(logits / T) (T = 0: the most likely), and its log-prob, by
+    inverse transform sampling: one uniform draw a row (torch.multinomial draws one a token)."""
     logits = logits.float()
     if temperature <= 0:
         logprobs = logits.log_softmax(-1)
@@ -251,13 +195,11 @@ def sample_token(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor
 def sample_responses(
         model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
         speedups: dict | None = None) -> tuple[list[list[int]], list[list[float]]]:
-    """Every prompt's reply, all rows a token at a time: (sampled ids, their log-probs). Sampling
-    is softmax(logits / T) and nothing else (no top-k, top-p or repetition penalty), so the loss
-    recomputes log-probs of the very distribution the tokens came from; T = 0 is greedy. Left
-    padding puts every row's next token at the last position; after the prompts' forward, each
-    step runs only the new token against the keys and values kept so far (the KV cache). A reply
-    ends at an end token or "</action>". speedups: None on this plain path; a dict for the CPU
-    speed-ups' first forward (cpu_speedups.read_prompts), keeping the rules' keys and values."""
+    """Every prompt's reply, a token at a time: (sampled ids, their log-probs). softmax(logits / T)
+    and nothing else (no top-k, top-p), so the loss recomputes the very distribution sampled; T = 0
+    is greedy. Left padding puts every row's next token last; after the prompts' forward each step
+    runs only the new token against the kept keys and values (the KV cache). A reply ends at an end
+    token or "</action>". speedups: None on this plain path; a dict: cpu_speedups.read_prompts."""
     model.eval()
     device = next(model.parameters()).device
     end_ids = end_token_ids(model, tokenizer)
@@ -439,10 +381,9 @@ def kl_to_reference(logp_new, logp_ref, mask) -> torch.Tensor:
 
 def response_logprobs(model, batch: StepBatch, temperature: float):
     """Log-probs of the sampled response tokens under the current policy at temperature T, as
-    (logprobs [N, n], mask [N, n]), n the longest response. Every response ends at the last
-    position (left padding), so only the last n + 1 positions need the vocabulary projection
-    (logits_to_keep): position t's logits predict token t + 1. Position ids follow the attention
-    mask, so a padded row sees the positions it was sampled at."""
+    (logprobs [N, n], mask [N, n]), n the longest response. Responses end last (left padding), so
+    only the last n + 1 positions need the vocabulary (logits_to_keep): position t predicts t + 1.
+    Position ids follow the attention mask: a padded row sees the positions it was sampled at."""
     n = int(batch.response_mask.sum(1).max())
     if isinstance(batch, cpu_speedups.SharedSteps):  # the CPU speed-ups' batch: same numbers
         return cpu_speedups.response_logprobs(model, batch, n, temperature, token_logprobs)
@@ -509,8 +450,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
 
 def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
     """One micro-batch's clipped loss (+ beta KL), a mean over its response tokens: (loss, kl,
-    how many tokens' ratio rho = e^(logp - logp_old) lies outside [1 - eps, 1 + eps], tokens).
-    logp_old None: the policy that sampled is this one, so the ratio is exactly 1."""
+    tokens with rho = e^(logp - logp_old) outside 1 -/+ eps, tokens). logp_old None: rho is 1."""
     logp, mask = response_logprobs(model, batch, cfg.temperature)
     logp_old = logp.detach() if logp_old is None else logp_old
     loss = clipped_policy_loss(logp, logp_old, batch.advantages.to(logp.device), mask, cfg.eps_clip)
@@ -527,8 +467,7 @@ def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
 
 def msgrpo_update(model, optimizer, tokenizer, episodes: list[Episode], cfg: Config,
                   rng: np.random.Generator) -> dict:
-    """Sections 5-8: returns, group advantages broadcast to steps, AAW sampling, the clipped loss.
-    Another algorithm replaces this one (train's update)."""
+    """Sections 5-8: returns, group advantages broadcast to steps, AAW sampling, clipped loss."""
     returns = episode_returns([ep.rewards for ep in episodes])
     advantages = group_advantages(returns, [ep.group for ep in episodes],
                                   scale=cfg.scale_advantages)
@@ -584,11 +523,9 @@ def train(cfg: Config, resume: bool = False, update=msgrpo_update, extra_modules
             for iteration in run.iterations():
                 with run.stopped_on_failure(iteration):
                     start = time.time()
-                    # Before the update: like the rollout metrics of its line, the probe reads the
-                    # policy that plays this iteration (at iteration 1, the untrained one).
+                    # Before the update, like its line's rollout metrics: the policy that plays.
                     probe = (support.map_reading_probe(model, tokenizer, cfg, probe_states,
-                                                       prompt_ids)
-                             if support.probe_due(cfg, iteration) else {})
+                             prompt_ids) if support.probe_due(cfg, iteration) else {})
                     lr, temperature = phase_settings(cfg, iteration)
                     for group in optimizer.param_groups:  # each time: a resumed one has its rate
                         group["lr"] = lr
@@ -629,8 +566,8 @@ def evaluate_policy(model, tokenizer, cfg: Config, greedy: bool = True) -> dict:
                              progress=True, **env_options(cfg))
 
 def evaluate_greedy_and_sampled(model, tokenizer, cfg: Config, sampled_episodes: int = 0) -> dict:
-    """Greedy, and under "sampled" at T = 1, the policy's own distribution whatever temperature its
-    rollouts explore at (sampled_episodes 0: as many as greedy)."""
+    """Greedy, and under "sampled" at T = 1 (the policy's own distribution, whatever its rollouts'
+    temperature), sampled_episodes of them (0: as many as greedy)."""
     result = evaluate_policy(model, tokenizer, cfg)
     sampled_cfg = dataclasses.replace(cfg, eval_episodes=sampled_episodes or cfg.eval_episodes,
                                       temperature=1.0)

@@ -8,11 +8,12 @@
     4. a run in progress  Run: resumed or started afresh, saved and evaluated, stopped cleanly
     5. map-reading probe  does P(move) drop where the move walks into a hole?
     6. curves and tables  curves.png, the evaluation table, the line printed per iteration
-    7. command line       Config's fields as flags, their ranges, the checks before the model loads
+    7. command line       the per-game and per-device defaults (resolve_defaults), Config's fields
+                          as flags, their ranges, the checks before the model loads
 
 The CPU speed-ups are in cpu_speedups.py. Nothing here imports msgrpo (running `python msgrpo.py`
 makes it __main__, and a second import would make a second Config class): what this needs of it,
-the Config class, resolve_defaults, the game options and the LAP prompt, is passed in.
+the Config class, the game options and the LAP prompt, is passed in.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
-import functools
 import importlib.util
 import json
 import math
@@ -155,10 +155,9 @@ def tiny_model_folder() -> Path:
 # A run folder holds these; a new run refuses to start in a folder that has any of them.
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "adapter", "eval.json", "curves.png")
 
-# While a run trains, its process owns the folder: an exclusive flock on LOCK_FILE, held by an open
-# file. Another process is refused; the OS drops the lock when its process ends, however it ends, so
-# a killed run leaves nothing stuck. The holder deletes the file when it lets go, so a finished run
-# holds RUN_FILES alone; a killed one may leave the file, unlocked, which blocks nothing.
+# While a run trains, its process owns the folder: an exclusive flock on LOCK_FILE, held open. The
+# OS drops it when the process ends, however it ends, so a killed run leaves nothing stuck (the file
+# at most, unlocked); the holder deletes it on letting go, so a finished run holds RUN_FILES alone.
 LOCK_FILE = "run.lock"
 owned_folders = {}  # run folder (resolved) -> its locked LOCK_FILE, for those this process owns
 
@@ -184,10 +183,22 @@ def lock_run_folder(run_dir: Path):
         run_dir.mkdir(parents=True, exist_ok=True)
         # O_NOFOLLOW: a lock that is a link fails here; truncating it would empty its target
         flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
-        lock = os.fdopen(os.open(path, flags, 0o644), "a+")
-        while not locked_here(lock, path):  # the owner deleted it between our open and our lock
-            lock.close()
+        while True:
             lock = os.fdopen(os.open(path, flags, 0o644), "a+")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                owner = lock.read().strip() or "unknown"
+                lock.close()
+                raise SystemExit(f"error: {run_dir} is in use by another run (process {owner}); "
+                                 f"wait for it to end, or choose another --run-dir") from None
+            try:
+                if os.path.samestat(os.stat(path), os.fstat(lock.fileno())):
+                    break
+            except FileNotFoundError:
+                pass
+            lock.close()  # the owner deleted it between our open and our lock: a lock no run uses
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
@@ -195,26 +206,9 @@ def lock_run_folder(run_dir: Path):
     except OSError as error:
         raise SystemExit(f"error: cannot write in {run_dir}: {one_line(error)}")
 
-def locked_here(lock, path: Path) -> bool:
-    """Lock the open file `lock`: True if it is still the file at `path`, False if its owner
-    deleted it meanwhile (a lock no run looks at). Stops with one line while another holds it."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        owner = lock.read().strip() or "unknown"
-        lock.close()
-        raise SystemExit(f"error: {path.parent} is in use by another run (process {owner}); wait "
-                         f"for it to end, or choose another --run-dir") from None
-    try:
-        return os.path.samestat(os.stat(path), os.fstat(lock.fileno()))
-    except FileNotFoundError:
-        return False
-
 def save_atomically(path: Path, save) -> Path:
-    """Every save: save(tmp) writes a temporary file or folder beside `path`, which then replaces
-    it, so a kill leaves the one or the other, whole. A failed write (a full disk) stops with one
-    line, its temporary removed and the older one as it was."""
+    """Every save: save(tmp) writes a file or folder beside `path` that then replaces it, so a kill
+    leaves one or the other, whole; a failed write (a full disk) stops with a line, tmp removed."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         remove(tmp)  # a leftover of a save killed earlier
@@ -272,17 +266,25 @@ def read_metrics(run_dir: Path) -> list[dict]:
     stops with a line naming it: two runs wrote the file, or it was edited: its curves would mix."""
     path, rows = Path(run_dir) / "metrics.jsonl", []
     for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-                if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
-                    raise ValueError("a line without an iteration")
-                if lack := [k for k in CURVE_FIELDS if type(rows[-1].get(k)) not in (int, float)]:
-                    raise ValueError(f"no number for {', '.join(lack)}, which the curves plot")
-            except ValueError as error:
-                raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
-            if problem := iteration_out_of_order(rows[-1]["iteration"], expected=len(rows)):
-                raise SystemExit(f"{path} line {number}: {problem}")
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+            if not isinstance(rows[-1], dict) or "iteration" not in rows[-1]:
+                raise ValueError("a line without an iteration")
+            if lack := [k for k in CURVE_FIELDS if type(rows[-1].get(k)) not in (int, float)]:
+                raise ValueError(f"no number for {', '.join(lack)}, which the curves plot")
+        except ValueError as error:
+            raise SystemExit(f"{path} line {number} is unreadable: {one_line(error)}")
+        iteration, due, problem = rows[-1]["iteration"], len(rows), ""
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            problem = f"iteration {iteration!r} is not a whole number"
+        elif 1 <= iteration < due:
+            problem = f"iteration {iteration} comes a second time (did two runs write this file?)"
+        elif iteration != due:
+            problem = f"iteration {iteration} where {due} is due: iteration {due} is missing"
+        if problem:
+            raise SystemExit(f"{path} line {number}: {problem}")
     return rows
 
 CURVE_FIELDS = ("mean_return", "success_rate", "invalid_rate", "distinct_responses", "entropy",
@@ -299,23 +301,6 @@ def load_evals(run_dir) -> list[dict]:
                          f"{', '.join(sorted(EVALUATION_FIELDS))} (iteration a whole number)")
     return evals
 
-def iteration_out_of_order(iteration, expected: int) -> str:
-    """What is wrong with a metrics line's iteration where `expected` is due; "" when nothing."""
-    if isinstance(iteration, bool) or not isinstance(iteration, int):
-        return f"iteration {iteration!r} is not a whole number"
-    if iteration == expected:
-        return ""
-    if 1 <= iteration < expected:
-        return f"iteration {iteration} comes a second time (did two runs write this file?)"
-    return f"iteration {iteration} where {expected} is due: iteration {expected} is missing"
-
-def truncate_metrics(run_dir: Path, last_iteration: int) -> None:
-    """Drop lines written after the checkpoint (an interrupted iteration is redone on resume)."""
-    kept = [m for m in read_metrics(run_dir) if m["iteration"] <= last_iteration]
-    save_text(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
-    evals = [e for e in load_evals(run_dir) if e["iteration"] <= last_iteration]
-    save_json(run_dir / "eval.json", evals)
-
 def record_eval(run_dir: Path, iteration: int, result: dict) -> None:
     if result:
         evals = [e for e in load_evals(run_dir) if e["iteration"] != iteration]
@@ -329,11 +314,10 @@ def lora_weights(model) -> dict:
 
 def save_iteration(run_dir: Path, model, optimizer, rng: np.random.Generator, iteration: int,
                    metrics: dict | None = None, extra: dict | None = None) -> None:
-    """Save one iteration wholly or not at all, whenever the process dies. checkpoint.pt decides,
-    and is replaced in one atomic step. It holds the LoRA weights itself, so a resume never pairs
-    them with another iteration's optimizer or random state; the metrics line goes first and a
-    resume drops lines past the checkpoint; adapter/ is written last and a resume rewrites it from
-    the checkpoint."""
+    """Save one iteration wholly or not at all, whenever the process dies: checkpoint.pt, replaced
+    atomically, decides. It holds the LoRA weights, so a resume never pairs them with another
+    iteration's optimizer or random state; the metrics line goes before it (a resume drops lines
+    past it), adapter/ after it (a resume rewrites it from the checkpoint)."""
     if not all(torch.isfinite(w).all() for w in lora_weights(model).values()):
         raise FloatingPointError("the update made the LoRA weights non-finite; they are not saved")
     if metrics is not None:  # the file rewritten with the line added: never a half-written line
@@ -374,18 +358,6 @@ def load_checkpoint(run_dir: Path) -> dict | None:
         raise SystemExit(f"{path} is unreadable: {one_line(error)}")
     return checkpoint
 
-def load_lora_weights(model, checkpoint: dict, run_dir: Path) -> None:
-    """Put the checkpoint's LoRA weights into a freshly built policy (shapes must match)."""
-    saved, params = checkpoint["lora"], dict(model.named_parameters())
-    wrong = [name for name, w in saved.items()
-             if name not in params or params[name].shape != w.shape]
-    if wrong or len(saved) != len(lora_weights(model)):
-        raise SystemExit(f"{run_dir / 'checkpoint.pt'} does not fit this model's LoRA layers "
-                         f"(was --model or --lora-r changed?)")
-    with torch.no_grad():
-        for name, w in saved.items():
-            params[name].copy_(w)
-
 def restore_random_state(checkpoint: dict, rng: np.random.Generator) -> None:
     """Every random stream as at the checkpoint, so a resumed run draws what it would have."""
     rng.bit_generator.state = checkpoint["numpy_rng"]
@@ -400,8 +372,7 @@ def checkpoint_to_resume(run_dir) -> dict:
     return checkpoint
 
 def older_adapter(run_dir, checkpoint: dict | None) -> Path | None:
-    """adapter/, for a checkpoint saved before checkpoints held the LoRA weights: the policy loads
-    its weights from there. None for any other run."""
+    """adapter/, the policy's weights where an older checkpoint.pt lacks them; None otherwise."""
     if checkpoint is None or "lora" in checkpoint:
         return None
     adapter = Path(run_dir) / "adapter"
@@ -423,13 +394,25 @@ class Run:
 
     def resume(self, checkpoint: dict) -> None:
         if "lora" in checkpoint:  # else the policy was loaded from adapter/ (older_adapter)
-            load_lora_weights(self.model, checkpoint, self.dir)
+            lora, params = checkpoint["lora"], dict(self.model.named_parameters())
+            wrong = [name for name, w in lora.items()
+                     if name not in params or params[name].shape != w.shape]
+            if wrong or len(lora) != len(lora_weights(self.model)):
+                raise SystemExit(f"{self.dir / 'checkpoint.pt'} does not fit this model's LoRA "
+                                 f"layers (was --model or --lora-r changed?)")
+            with torch.no_grad():
+                for name, w in lora.items():
+                    params[name].copy_(w)
         for name, module in self.extra.items():
             module.load_state_dict(checkpoint[name])
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         restore_random_state(checkpoint, self.rng)
         self.saved = checkpoint["iteration"]
-        truncate_metrics(self.dir, self.saved)
+        # lines written after the checkpoint go: an interrupted iteration is redone
+        kept = [m for m in read_metrics(self.dir) if m["iteration"] <= self.saved]
+        save_text(self.dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in kept))
+        save_json(self.dir / "eval.json",
+                  [e for e in load_evals(self.dir) if e["iteration"] <= self.saved])
         save_json(self.dir / "config.json", dataclasses.asdict(self.cfg))  # with the flags given
         save_adapter(self.dir, self.model)  # a save cut short may have left the older one
         print(f"resuming {self.dir} after iteration {self.saved}")
@@ -450,16 +433,14 @@ class Run:
 
     def save(self, metrics: dict) -> None:
         """Save metrics["iteration"] wholly or not at all (save_iteration), then print its line."""
-        iteration = metrics["iteration"]
-        save_iteration(self.dir, self.model, self.optimizer, self.rng, iteration, metrics,
-                       self.extra)
-        self.saved = iteration
+        save_iteration(self.dir, self.model, self.optimizer, self.rng, metrics["iteration"],
+                       metrics, self.extra)
+        self.saved = metrics["iteration"]
         tqdm.write(progress_line(metrics))
 
     def evaluate_when_due(self, iteration: int, evaluate) -> None:
-        """Record evaluate() before training and every eval_every iterations but the last
-        (evaluate_final's), unless recorded already: a run that died after a checkpoint and before
-        its evaluation gets it when it resumes."""
+        """Record evaluate() at 0 and every eval_every iterations but the last (evaluate_final's),
+        unless recorded: a run killed between a checkpoint and its evaluation gets it on resume."""
         every = self.cfg.eval_every
         due = iteration == 0 or (every and iteration % every == 0
                                  and iteration != self.cfg.iterations)
@@ -483,8 +464,7 @@ class Run:
 
     @contextmanager
     def stopped_on_failure(self, iteration: int):
-        """A non-finite loss or an out-of-memory error stops the run with a line saying what to
-        change; the iterations saved before stay."""
+        """Stop on a non-finite loss or out of memory with what to change; saved iterations stay."""
         try:
             yield
         except FloatingPointError as error:
@@ -508,8 +488,7 @@ PROBE_MAPS = 16
 PROBE_FIRST_SEED = 900_000  # a training seed (below envs.HELDOUT_SEED_START)
 
 def probe_applies(cfg) -> bool:
-    """The probe reads the move off the reply's first token: Frozen Lake with "<action>" pre-filled
-    (prefill on, no thinking)."""
+    """Frozen Lake, "<action>" pre-filled, no thinking: the reply's first token is the move."""
     return cfg.probe_every > 0 and cfg.env == "frozen_lake" and cfg.prefill and not cfg.think
 
 def probe_due(cfg, iteration: int) -> bool:
@@ -518,9 +497,8 @@ def probe_due(cfg, iteration: int) -> bool:
 
 def probe_states(cfg, game_options: dict) -> list[tuple]:
     """The probe's states (envs.probe_states) under these game options; none where it is off."""
-    if not probe_applies(cfg):
-        return []
-    return envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **game_options)
+    return (envs.probe_states(PROBE_MAPS, PROBE_FIRST_SEED, **game_options)
+            if probe_applies(cfg) else [])
 
 def move_token_ids(tokenizer) -> list[list[int]]:
     """Per move (envs.FROZEN_LAKE_ACTIONS order), the first token of "down" and of " down":
@@ -533,10 +511,10 @@ def move_token_ids(tokenizer) -> list[list[int]]:
 def move_probabilities(model, tokenizer, prompts: list[list[int]], micro_batch: int,
                        greedy: bool = False, speedups: bool = True):
     """P(the reply's first token names each move), [N, 4] in envs.FROZEN_LAKE_ACTIONS order, for
-    LAP prompts ending in "<action>": that token decides the move, so P(move) = sum over the move's
-    first tokens t of softmax(logits)_t at T = 1; the rest is an invalid reply. No random numbers
-    are drawn. greedy=True also returns each greedy move: the move whose token is the most likely
-    of all, -1 where none is. speedups: read through cpu_speedups (the same numbers)."""
+    LAP prompts ending in "<action>", which that token decides: P(move) = sum over the move's first
+    tokens t of softmax(logits)_t at T = 1, the rest an invalid reply; no random numbers drawn.
+    greedy=True adds the greedy moves: the move whose token is likeliest of all, else -1. speedups:
+    read through cpu_speedups (the same numbers)."""
     import cpu_speedups
     model.eval()
     first_tokens = move_token_ids(tokenizer)
@@ -560,8 +538,7 @@ def mean_or_nan(values: np.ndarray) -> float:
 
 def map_reading_probe(model, tokenizer, cfg, states: list[tuple], prompt_ids) -> dict:
     """Does the policy read the map? For down and right (the goal lies down and to the right, so
-    they are the moves it makes), over the probe states (probe_states), each observation asked as
-    prompt_ids(observation), the policy's prompt:
+    they are the moves it makes), over probe_states, each asked as prompt_ids(observation):
         probe_<move>_hole   mean P(move) where the move walks into a hole
         probe_<move>_ice    mean P(move) where it walks onto ice
         probe_<move>_ratio  hole / ice: 1 for a map-blind policy, 0 for one that never steps
@@ -736,6 +713,52 @@ def plot_curves(run_dir: Path) -> None:
     save_atomically(run_dir / "curves.png", lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
 
 # 7. Command line ----------------------------------------------------------------------------------
+GPU_MODEL, CPU_MODEL = "Qwen/Qwen2.5-3B-Instruct", "smollm2-135m"
+
+# What msgrpo.Config leaves to the game and the device ("" / 0 / -1), as data; each game keeps the
+# recipe it was measured to learn with (results/NOTES.md). Frozen Lake: one AdamW step an iteration
+# and a hotter late phase (a policy sure of its first move makes it in all G episodes at T = 1).
+# Snake: minibatches of 16 steps (with one step an iteration it never read its neighbour line), a KL
+# to the base (without, "up" everywhere by iteration 37), one phase (hotter rollouts undid its
+# format), one-token replies (a small model runs on into its observation's last line).
+GAME_DEFAULTS = {
+    "frozen_lake": {"max_new_tokens": 6, "late_after": 25, "beta": 0.0, "minibatch": 0,
+                    "iterations": {"cuda": 100, "cpu": 130}},
+    "snake": {"max_new_tokens": 1, "late_after": 0, "beta": 0.1, "minibatch": 16,
+              "iterations": {"cuda": 100, "cpu": 70}},
+}
+# Snake on the CPU: 6x6, 5 steps (a GPU: the paper's 10x10, 20); over 20-100 steps a small model's
+# episodes nearly all end in a wall, so surviving is never rewarded.
+DEVICE_DEFAULTS = {
+    "cuda": {"model": GPU_MODEL, "eval_batch": 32, "snake_options": {"size": 10, "max_steps": 20}},
+    "cpu": {"model": CPU_MODEL, "eval_batch": 64, "snake_options": {"size": 6, "max_steps": 5}},
+}
+THINKING_DEFAULTS = {"max_new_tokens": 256, "micro_batch": 4}  # a reasoned reply is long
+
+def resolve_defaults(cfg):
+    """Fill what Config leaves to the game and the device, so config.json records what ran."""
+    if cfg.sampling not in ("aaw", "uniform", "all"):
+        raise ValueError(f"sampling must be aaw, uniform or all, not {cfg.sampling!r}")
+    device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = DEVICE_DEFAULTS[device_name]
+    game_class = envs.GAMES[cfg.env]
+    snake = issubclass(game_class, envs.Snake)
+    game = GAME_DEFAULTS["snake" if snake else "frozen_lake"]
+    chosen = {**game, **(THINKING_DEFAULTS if cfg.think else {})}
+    return dataclasses.replace(
+        cfg, model=cfg.model or device["model"],
+        env_options={**(device["snake_options"] if snake else {}), **cfg.env_options},
+        training_start=cfg.training_start or game_class.training_start,
+        iterations=cfg.iterations or game["iterations"][device_name],
+        late_after=game["late_after"] if cfg.late_after < 0 else cfg.late_after,
+        beta=game["beta"] if cfg.beta < 0 else cfg.beta,
+        minibatch=game["minibatch"] if cfg.minibatch < 0 else cfg.minibatch,
+        max_new_tokens=cfg.max_new_tokens or chosen["max_new_tokens"],
+        micro_batch=cfg.micro_batch or chosen.get("micro_batch", 16),
+        eval_batch=cfg.eval_batch or device["eval_batch"],
+        cpu_speedups=cfg.cpu_speedups and device_name == "cpu" and not cfg.gradient_checkpointing,
+        run_dir=cfg.run_dir or f"runs/{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
+
 # What a numeric setting may be, checked before the model loads: (allowed(value), what it must be).
 # Out of range, it would fail late or learn nothing; sizes and counts capped far past any use.
 def between(low, high, note=""):
