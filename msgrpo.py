@@ -39,7 +39,6 @@ from support import read_metrics  # msgrpo.read_metrics(run_dir): a run's metric
 from support import CPU_MODEL, GPU_MODEL, resolve_defaults
 
 # 1. Config ---------------------------------------------------------------------------------------
-
 def setting(default, help: str):  # a Config field: its default and its flag's one line of --help
     return field(default=default, metadata={"help": help})
 
