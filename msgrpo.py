@@ -428,6 +428,7 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
             with torch.no_grad():
                 old_logprobs = [[response_logprobs(model, batch, cfg.temperature)[0]
                                  for batch in mb] for mb in minibatches]
+        bar = tqdm(total=cfg.epochs * len(minibatches), desc="optimizer steps", leave=False)
         for _ in range(cfg.epochs):
             for minibatch, old in zip(minibatches, old_logprobs):
                 optimizer.zero_grad(set_to_none=True)
@@ -443,8 +444,10 @@ def update_policy(model, optimizer, tokenizer, steps: list, cfg: Config,
                 params = [p for p in model.parameters() if p.requires_grad]
                 logged["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip).item()
                 optimizer.step()
+                bar.update()
                 for name, value in logged.items():
                     stats[name].append(value)
+        bar.close()
     return {name: float(np.mean(values)) for name, values in stats.items()}
 
 def micro_batch_loss(model, batch: StepBatch, logp_old, cfg: Config):
