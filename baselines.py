@@ -3,12 +3,14 @@
 Every agent has `act(obs_text, info) -> str` or `act_batch(observations, infos) -> list[str]`: a
 text response that `envs.evaluate` parses with the game's parser, exactly like a language model's.
 
-    random, optimal    read the symbolic `info`; optimal is value iteration (Frozen Lake) or BFS (Snake)
+    random, optimal    read the symbolic `info`; optimal is value iteration (Frozen Lake) or BFS
+                       (Snake)
     SnakeRuleAgent     Snake's hand rules on the symbolic `info` (never_die, apple_greedy, ...)
     DQNAgent           CleanRL-style DQN on the symbolic state (one-hot grid channels)
     LLMAgent           a local language model (any model msgrpo.py loads, optional LoRA adapter),
                        zero-shot, with msgrpo's LAP prompt, generation and parser
-    ChatServerAgent    any OpenAI-compatible chat-completions server (vLLM, llama.cpp, transformers serve)
+    ChatServerAgent    any OpenAI-compatible chat-completions server (vLLM, llama.cpp,
+                       transformers serve)
     poad_update        POAD's (and NTPO's) credit assignment and update: a critic and a per-token
                        backup, trained by msgrpo.train in place of msgrpo.msgrpo_update
 
@@ -16,7 +18,8 @@ text response that `envs.evaluate` parses with the game's parser, exactly like a
     python baselines.py --env frozen_lake --agent random --map classic --slippery --max-steps 200
     python baselines.py --env frozen_lake --agent dqn --train-steps 30000
     python baselines.py --env frozen_lake --agent llm --adapter runs/frozen_lake-.../adapter
-    python baselines.py --env frozen_lake --agent server --base-url http://localhost:8000/v1 --model NAME
+    python baselines.py --env frozen_lake --agent server --base-url http://localhost:8000/v1 \\
+        --model NAME
     python baselines.py poad --env frozen_lake       (or ntpo; any msgrpo.py flag, plus --gamma ...)
 
 Evaluation always runs on the held-out seeds (`envs.heldout_seeds`), never on training seeds.
@@ -89,7 +92,8 @@ class OptimalAgent:
 def frozen_lake_optimum_within(map_rows, slippery, max_steps):
     """The best success probability any policy can reach within `max_steps` steps.
 
-    Finite-horizon value iteration: V_0 = 1 at the goal, else 0; V_k(s) = max_a sum_s' P V_{k-1}(s').
+    Finite-horizon value iteration: V_0 = 1 at the goal, else 0;
+    V_k(s) = max_a sum_s' P V_{k-1}(s').
     envs.frozen_lake_values has no step limit: on the classic slippery map it gives 14/17 = 0.824,
     but within 100 steps no policy wins more than 0.744 (0.817 within 200).
     """
@@ -109,7 +113,8 @@ def snake_bfs_action(info):
     keep going."""
     size, snake = info["size"], [tuple(cell) for cell in info["snake"]]
     apples = {tuple(cell) for cell in info["apples"]}
-    good = {tuple(cell) for cell in info["bananas"]} | (apples if info["apple_reward"] > 0 else set())
+    good = ({tuple(cell) for cell in info["bananas"]}
+            | (apples if info["apple_reward"] > 0 else set()))
     bad = set() if info["apple_reward"] > 0 else apples
     deadly = set(snake[:-1]) | {tuple(cell) for cell in info["opponent"] or []}  # the tail moves on
 
@@ -187,7 +192,8 @@ def apple_greedy_move(info, rng):
     def to_apple(cell):
         return min((abs(cell[0] - r) + abs(cell[1] - c) for r, c in info["apples"]), default=0)
 
-    nearer = [a for a in snake_safe_moves(info) if to_apple(envs.next_cell(head, a)) < to_apple(head)]
+    nearer = [a for a in snake_safe_moves(info)
+              if to_apple(envs.next_cell(head, a)) < to_apple(head)]
     return rng.choice(nearer) if nearer else never_die_move(info, rng)
 
 
@@ -238,7 +244,8 @@ def symbolic_state(info):
         return grid.ravel()
     size = info["size"]
     grid = np.zeros((5, size, size), dtype=np.float32)
-    channels = [info["snake"][:1], info["snake"][1:], info["apples"], info["bananas"], info["opponent"] or []]
+    channels = [info["snake"][:1], info["snake"][1:], info["apples"], info["bananas"],
+                info["opponent"] or []]
     for channel, cells in enumerate(channels):
         for row, col in cells:
             grid[channel, row, col] = 1.0
@@ -294,7 +301,8 @@ def q_network(n_inputs, n_actions, hidden):
 def linear_epsilon(step, cfg):
     """Epsilon falls linearly from start to end over the first exploration_fraction of training."""
     duration = max(1, int(cfg.exploration_fraction * cfg.train_steps))
-    return max(cfg.end_epsilon, cfg.start_epsilon + (cfg.end_epsilon - cfg.start_epsilon) * step / duration)
+    return max(cfg.end_epsilon,
+               cfg.start_epsilon + (cfg.end_epsilon - cfg.start_epsilon) * step / duration)
 
 
 class ReplayBuffer:
@@ -345,7 +353,8 @@ def training_seed(rng):
 def train_dqn(cfg, progress=True):
     """Train a Q-network on cfg.env; returns (network, stats). Same seed, same numbers (CPU)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a small MLP gains nothing from threads, and one thread is reproducible
+    # a small MLP gains nothing from threads, and one thread is reproducible
+    torch.set_num_threads(1)
     try:
         return _train_dqn(cfg, progress)
     finally:
@@ -379,18 +388,22 @@ def _train_dqn(cfg, progress):
             episode_return = 0.0
             state = symbolic_state(game.reset(seed=training_seed(rng))[1])
         if step >= cfg.learning_starts and step % cfg.train_every == 0:
-            losses.append(td_update(q, target, optimizer, buffer.sample(cfg.batch_size, rng), cfg.gamma))
+            losses.append(td_update(q, target, optimizer, buffer.sample(cfg.batch_size, rng),
+                                    cfg.gamma))
         if step % cfg.target_every == 0:
             target.load_state_dict(q.state_dict())
         if progress and returns and step % 5000 == 0:
-            bar.set_postfix(epsilon=f"{linear_epsilon(step, cfg):.2f}", recent_return=f"{np.mean(returns[-100:]):.2f}")
-    stats = {"episodes": len(returns), "last_100_return": float(np.mean(returns[-100:])) if returns else 0.0,
+            bar.set_postfix(epsilon=f"{linear_epsilon(step, cfg):.2f}",
+                            recent_return=f"{np.mean(returns[-100:]):.2f}")
+    stats = {"episodes": len(returns),
+             "last_100_return": float(np.mean(returns[-100:])) if returns else 0.0,
              "last_1000_loss": float(np.mean(losses[-1000:])) if losses else 0.0}
     return q, stats
 
 
 class DQNAgent:
-    """The greedy policy of a trained Q-network, answering in the LAP format like a language model."""
+    """The greedy policy of a trained Q-network, answering in the LAP format like a language
+    model."""
 
     def __init__(self, q, actions):
         self.q, self.actions = q.eval(), list(actions)
@@ -416,7 +429,8 @@ class DQNAgent:
 def dqn_run_dir(env_name, env_options, runs="runs"):
     """runs/dqn-<env>, plus the options that differ from the game's defaults, in name order."""
     defaults = envs.GAMES[env_name].defaults
-    tags = [f"-{k}={env_options[k]}" for k in sorted(env_options) if env_options[k] != defaults.get(k)]
+    tags = [f"-{k}={env_options[k]}" for k in sorted(env_options)
+            if env_options[k] != defaults.get(k)]
     return Path(runs) / f"dqn-{env_name}{''.join(tags)}"
 
 
@@ -456,9 +470,11 @@ def find_dqn_run(env_name, env_options, runs="runs", given=()):
     """A trained DQN for exactly this game and these options, or None: first among the `given`
     run folders, then under runs/dqn-*. Folder names are a convenience; config.json decides."""
     options = envs.make(env_name, **env_options).options
-    for config_path in [Path(p) / "config.json" for p in given] + sorted(Path(runs).glob("dqn-*/config.json")):
+    for config_path in ([Path(p) / "config.json" for p in given]
+                        + sorted(Path(runs).glob("dqn-*/config.json"))):
         saved = json.loads(config_path.read_text())["dqn"]
-        if saved["env"] == env_name and envs.make(env_name, **saved["env_options"]).options == options:
+        if (saved["env"] == env_name
+                and envs.make(env_name, **saved["env_options"]).options == options):
             return config_path.parent
     return None
 
@@ -479,7 +495,8 @@ def lap_config(model="", adapter=None, **overrides):
     saved = {}
     if adapter is not None and (Path(adapter).parent / "config.json").exists():
         saved = json.loads((Path(adapter).parent / "config.json").read_text())
-    settings = {k: v for k, v in saved.items() if k in known and k not in ("run_dir", "env", "env_options")}
+    settings = {k: v for k, v in saved.items()
+                if k in known and k not in ("run_dir", "env", "env_options")}
     if model:
         settings["model"] = model
     return msgrpo.resolve_defaults(msgrpo.Config(**{**settings, **overrides, "run_dir": "unused"}))
@@ -567,7 +584,8 @@ class ChatServerAgent:
         self.model, self.max_tokens, self.temperature = model, max_tokens, temperature
         self.api_key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
         self.cfg = msgrpo.Config(think=think)
-        self.timeout, self.retries, self.backoff, self.concurrency = timeout, retries, backoff, concurrency
+        self.timeout, self.retries, self.backoff, self.concurrency = (timeout, retries, backoff,
+                                                                      concurrency)
         self.deadline = deadline
         self.lock = threading.Lock()  # requests run in threads; they share the counter
         self.reset_counts()
@@ -575,7 +593,8 @@ class ChatServerAgent:
     def reset_counts(self):
         """Count requests from zero, so that each evaluation reports its own failures."""
         self.requests = self.failures = 0  # failures: responses given up on (after retries)
-        self.errors = collections.Counter()  # what went wrong, every try: "TimeoutError", "HTTP 500"
+        # what went wrong, every try: "TimeoutError", "HTTP 500"
+        self.errors = collections.Counter()
 
     def act_batch(self, observations, infos):
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -590,7 +609,8 @@ class ChatServerAgent:
     def respond(self, obs_text):
         """The reply text, or None when every try failed."""
         body = {"model": self.model, "messages": msgrpo.lap_messages(obs_text, self.cfg),
-                "max_tokens": self.max_tokens, "temperature": self.temperature, "stop": [msgrpo.ACTION_END]}
+                "max_tokens": self.max_tokens, "temperature": self.temperature,
+                "stop": [msgrpo.ACTION_END]}
         give_up_at = time.monotonic() + self.deadline
         for attempt in range(self.retries + 1):
             try:
@@ -598,7 +618,8 @@ class ChatServerAgent:
             except RequestFailed as error:
                 self.record(error)
                 return None  # the server rejected the request itself: asking again will not help
-            except (OSError, ValueError, KeyError, IndexError, TypeError, http.client.HTTPException) as error:
+            except (OSError, ValueError, KeyError, IndexError, TypeError,
+                    http.client.HTTPException) as error:
                 self.record(error)
                 wait = self.backoff * 2**attempt
                 if attempt == self.retries or time.monotonic() + wait >= give_up_at:
@@ -607,7 +628,8 @@ class ChatServerAgent:
         return None
 
     def record(self, error):
-        kind = f"HTTP {error.code}" if isinstance(error, urllib.error.HTTPError) else type(error).__name__
+        kind = (f"HTTP {error.code}" if isinstance(error, urllib.error.HTTPError)
+                else type(error).__name__)
         with self.lock:
             if not self.errors:  # say it once, so a dead server is noticed early
                 print(f"{self.url}: {kind}: {error} (counted as an invalid action after "
@@ -649,7 +671,8 @@ class ChatServerAgent:
             payload = reply.read(self.max_reply_bytes + 1)
         except (OSError, http.client.HTTPException):
             if cut.is_set():
-                raise TimeoutError(f"no complete reply within the {self.deadline:g} s deadline") from None
+                raise TimeoutError(f"no complete reply within the {self.deadline:g} s "
+                                   "deadline") from None
             raise
         finally:
             if watchdog is not None:
@@ -675,7 +698,8 @@ class ChatServerAgent:
     def summary(self):
         """One line for the terminal: how many replies were given up on, and why."""
         causes = ", ".join(f"{kind} {count}" for kind, count in self.errors.most_common())
-        return (f"server requests: {self.failures} of {self.requests} failed (counted as invalid actions)"
+        return (f"server requests: {self.failures} of {self.requests} failed "
+                "(counted as invalid actions)"
                 + (f"; errors over all tries: {causes}" if causes else ""))
 
 
@@ -702,14 +726,15 @@ CRITIC_ALGOS = ("poad", "ntpo")
 
 @dataclass
 class POADConfig(msgrpo.Config):
-    """msgrpo's settings plus the critic's. sampling, sample_frac, scale_advantages, episode_mean and beta
-    are MS-GRPO's and do not apply: the critic's update trains on every step."""
+    """msgrpo's settings plus the critic's. sampling, sample_frac, scale_advantages, episode_mean
+    and beta are MS-GRPO's and do not apply: the critic's update trains on every step."""
     algo: str = "poad"  # poad: the BAD backup; ntpo: the naive token-level one
     gamma: float = 0.99  # discount across actions (poad) or across tokens (ntpo)
     gae_lambda: float = 0.95
-    vf_coef: float = 0.5  # weight of the value loss; eps_clip also clips the value change (CleanRL's ppo.py)
-    # PPO's several optimizer steps per iteration, as results/algo_comparison ran: a critic that starts
-    # at V = 0 learns from more than MS-GRPO's one step per batch of rollouts.
+    # weight of the value loss; eps_clip also clips the value change (CleanRL's ppo.py)
+    vf_coef: float = 0.5
+    # PPO's several optimizer steps per iteration, as results/algo_comparison ran: a critic that
+    # starts at V = 0 learns from more than MS-GRPO's one step per batch of rollouts.
     minibatch: int = 32
 
     def __post_init__(self):
@@ -733,12 +758,14 @@ class ValueHead(torch.nn.Module):
 
 
 def value_head_beside(model) -> dict:
-    """The critic, for msgrpo.train's extra_modules: set as model.value_head, so the optimizer trains
-    it with the policy; checkpoint.pt keeps it, out of the peft adapter (it is not part of the policy)."""
+    """The critic, for msgrpo.train's extra_modules: set as model.value_head, so the optimizer
+    trains it with the policy; checkpoint.pt keeps it, out of the peft adapter (it is not part of
+    the policy)."""
     return {"value_head": ValueHead(model.config.hidden_size).to(next(model.parameters()).device)}
 
 
-def bad_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
+def bad_advantages(values: list, rewards: list[float], gamma: float,
+                   lam: float) -> list[np.ndarray]:
     """values[t][j] = V(o_t, w_1..w_j) for each token of action t; rewards[t] = r_t.
 
     Nothing follows the last action (V = 0 after it): the observation counts the steps left, so
@@ -755,8 +782,10 @@ def bad_advantages(values: list, rewards: list[float], gamma: float, lam: float)
     return advantages
 
 
-def ntpo_advantages(values: list, rewards: list[float], gamma: float, lam: float) -> list[np.ndarray]:
-    """The naive token-level backup: r_t on action t's last token, gamma and lambda at every token."""
+def ntpo_advantages(values: list, rewards: list[float], gamma: float,
+                    lam: float) -> list[np.ndarray]:
+    """The naive token-level backup: r_t on action t's last token, gamma and lambda at every
+    token."""
     lengths = [len(v) for v in values]
     flat_values = np.concatenate([np.asarray(v, dtype=float) for v in values])
     flat_rewards = np.zeros_like(flat_values)
@@ -777,7 +806,8 @@ def clipped_value_loss(values, old_values, returns, mask, eps_clip: float = 0.2)
 
 
 def logprobs_and_values(model, batch: msgrpo.StepBatch, temperature: float):
-    """msgrpo.response_logprobs plus V at the same positions, from the hidden states entering the LM head.
+    """msgrpo.response_logprobs plus V at the same positions, from the hidden states entering the
+    LM head.
 
     The critic reads the adapted trunk, detached: the policy's forward computes those states
     anyway (the adapter-disabled trunk would cost a second pass of every step, which on the CPU
@@ -785,18 +815,21 @@ def logprobs_and_values(model, batch: msgrpo.StepBatch, temperature: float):
     critic cannot pull the policy's features towards predicting returns.
     """
     hidden = []
-    hook = model.get_output_embeddings().register_forward_pre_hook(lambda _, args: hidden.append(args[0]))
+    hook = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _, args: hidden.append(args[0]))
     try:
         logprobs, mask = msgrpo.response_logprobs(model, batch, temperature)
     finally:
         hook.remove()
-    # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the response.
+    # logits_to_keep = n + 1 hands the LM head the last n + 1 positions; the first n predict the
+    # response.
     return logprobs, mask, model.value_head(hidden[-1][:, :-1].detach())
 
 
 @dataclass
 class TokenStep:
-    """One step for the critic's update: its ids and, per response token, what the backup computed."""
+    """One step for the critic's update: its ids and, per response token, what the backup
+    computed."""
     prompt: list
     response: list
     advantages: np.ndarray
@@ -814,15 +847,16 @@ def right_aligned(rows: list, width: int) -> torch.Tensor:
     return out
 
 
-def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADConfig) -> list[TokenStep]:
+def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode],
+                    cfg: POADConfig) -> list[TokenStep]:
     """Score every step once (old log-probs and values), then run the backup episode by episode."""
     steps = [(p, r, 0.0) for ep in episodes for p, r in zip(ep.prompts, ep.responses)]
     old_logprobs, old_values = [], []
     model.eval()
     with torch.no_grad(), cpu_speedups.dequantized_4bit_weights(model):
         for micro in msgrpo.chunks(steps, cfg.micro_batch):
-            logprobs, _, values = logprobs_and_values(model, msgrpo.collate_steps(micro, tokenizer.pad_token_id),
-                                                      cfg.temperature)
+            logprobs, _, values = logprobs_and_values(
+                model, msgrpo.collate_steps(micro, tokenizer.pad_token_id), cfg.temperature)
             for row, (_, response, _) in enumerate(micro):
                 start = logprobs.shape[1] - len(response)
                 old_logprobs.append(logprobs[row, start:].cpu().numpy())
@@ -832,7 +866,8 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
     for ep in episodes:
         last = first + len(ep.responses)
         advantages = backup(old_values[first:last], ep.rewards, cfg.gamma, cfg.gae_lambda)
-        for (prompt, response, _), a, v, logp in zip(steps[first:last], advantages, old_values[first:last],
+        for (prompt, response, _), a, v, logp in zip(steps[first:last], advantages,
+                                                     old_values[first:last],
                                                      old_logprobs[first:last]):
             token_steps.append(TokenStep(prompt, response, a, a + v, v, logp))
         first = last
@@ -842,7 +877,8 @@ def backed_up_steps(model, tokenizer, episodes: list[msgrpo.Episode], cfg: POADC
 def policy_and_value_loss(model, tokenizer, micro: list[TokenStep], cfg: POADConfig):
     """One micro-batch's loss: the clipped policy loss with per-token advantages + vf_coef * the
     clipped value loss, means over its response tokens; logged: each of the two."""
-    batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro], tokenizer.pad_token_id)
+    batch = msgrpo.collate_steps([(s.prompt, s.response, 0.0) for s in micro],
+                                 tokenizer.pad_token_id)
     logprobs, mask, values = logprobs_and_values(model, batch, cfg.temperature)
     width = mask.shape[1]
     advantages, returns, old_values, old_logprobs = (
@@ -878,7 +914,8 @@ def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep]
                     logged[name] = logged.get(name, 0.0) + value * weight
             for name, value in logged.items():
                 stats[name].append(value)
-            # Clipped apart: one norm over both would let a large value gradient shrink the policy's.
+            # Clipped apart: one norm over both would let a large value gradient shrink the
+            # policy's.
             policy = [p for name, p in model.named_parameters()
                       if p.requires_grad and not name.startswith("value_head.")]
             stats["grad_norm"].append(torch.nn.utils.clip_grad_norm_(policy, cfg.grad_clip).item())
@@ -889,8 +926,9 @@ def update_policy_and_critic(model, optimizer, tokenizer, steps: list[TokenStep]
 
 def poad_update(model, optimizer, tokenizer, episodes: list[msgrpo.Episode], cfg: POADConfig,
                 rng: np.random.Generator) -> dict:
-    """POAD's (or NTPO's) credit assignment and update, in place of msgrpo.msgrpo_update: the critic's
-    backup gives every token its own advantage, and every step trains (no group advantages, no AAW)."""
+    """POAD's (or NTPO's) credit assignment and update, in place of msgrpo.msgrpo_update: the
+    critic's backup gives every token its own advantage, and every step trains (no group
+    advantages, no AAW)."""
     steps = backed_up_steps(model, tokenizer, episodes, cfg)
     return {"episodes_trained": len(episodes), "steps_trained": len(steps),
             "tokens_trained": sum(len(s.prompt) + len(s.response) for s in steps),
@@ -910,18 +948,22 @@ POAD_RANGES = {  # checked with support.SETTING_RANGES before the model loads
 
 
 def train_poad_main(algo: str, argv: list[str]) -> Path:
-    """python baselines.py poad|ntpo [msgrpo.py's flags] [--gamma G] [--gae-lambda L] [--vf-coef C]"""
+    """python baselines.py poad|ntpo [msgrpo.py's flags] [--gamma G] [--gae-lambda L]
+    [--vf-coef C]"""
     parser = msgrpo.build_parser()
-    parser.prog, parser.description = f"baselines.py {algo}", f"Train {algo.upper()} in msgrpo.py's loop."
+    parser.prog, parser.description = (f"baselines.py {algo}",
+                                       f"Train {algo.upper()} in msgrpo.py's loop.")
     d = POADConfig()
-    for name, text in [("gamma", "discount"), ("gae-lambda", "GAE lambda"), ("vf-coef", "value-loss weight")]:
-        parser.add_argument(f"--{name}", type=float, help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
+    for name, text in [("gamma", "discount"), ("gae-lambda", "GAE lambda"),
+                       ("vf-coef", "value-loss weight")]:
+        parser.add_argument(f"--{name}", type=float,
+                            help=f"{text} (default {getattr(d, name.replace('-', '_'))})")
     minibatch = parser._option_string_actions["--minibatch"]
     minibatch.help = f"steps per optimizer step (default {d.minibatch})"
     args = parser.parse_args(argv)
     args.algo = algo
-    cfg, resume = support.config_from_args(args, POADConfig, msgrpo.resolve_defaults, msgrpo.env_options,
-                                           support.SETTING_RANGES | POAD_RANGES)
+    cfg, resume = support.config_from_args(args, POADConfig, msgrpo.resolve_defaults,
+                                           msgrpo.env_options, support.SETTING_RANGES | POAD_RANGES)
     return train_poad(cfg, resume=resume)
 
 
@@ -945,7 +987,8 @@ def summary_row(agent_name, result):
     lo, hi = result["success_ci95"]
     row = {"agent": agent_name, "env": result["env"], "episodes": result["episodes"],
            "success [95% CI]": f"{result['success_rate']:.3f} [{lo:.3f}, {hi:.3f}]",
-           "mean return": f"{result['mean_return']:.3f}", "invalid rate": f"{result['invalid_rate']:.3f}",
+           "mean return": f"{result['mean_return']:.3f}",
+           "invalid rate": f"{result['invalid_rate']:.3f}",
            "mean steps": f"{result['mean_steps']:.1f}"}
     if "mean_apples" in result:
         lo, hi = result["apples_ci95"]
@@ -961,9 +1004,11 @@ def summary_row(agent_name, result):
 
 def env_options_from(args):
     """Only the options given on the command line, so each game keeps its own defaults.
-    --env-opt KEY=VALUE is typed by the game (envs.option_from_text); ValueError if it is not one."""
-    options = {"size": args.size, "map": args.map, "max_steps": args.max_steps, "apples": args.apples,
-               "bananas": args.bananas, "slippery": args.slippery or None, "opponent": args.opponent or None}
+    --env-opt KEY=VALUE is typed by the game (envs.option_from_text); ValueError if it is not
+    one."""
+    options = {"size": args.size, "map": args.map, "max_steps": args.max_steps,
+               "apples": args.apples, "bananas": args.bananas,
+               "slippery": args.slippery or None, "opponent": args.opponent or None}
     given = {name: value for name, value in options.items() if value is not None}
     return {**given, **envs.options_from_text(args.env, args.env_opt or [])}
 
@@ -978,25 +1023,31 @@ def name_equals_path(text):
 def build_parser():
     parser = argparse.ArgumentParser(description="Evaluate baseline agents on held-out seeds.")
     parser.add_argument("--env", choices=envs.ENV_NAMES, default="frozen_lake")
-    parser.add_argument("--agent", choices=["random", "optimal", *SNAKE_RULES, "dqn", "llm", "server"],
-                        default="optimal", help="never_die, straight_unless_deadly, apple_greedy, circling: "
-                                                "Snake's hand rules")
+    parser.add_argument("--agent",
+                        choices=["random", "optimal", *SNAKE_RULES, "dqn", "llm", "server"],
+                        default="optimal",
+                        help="never_die, straight_unless_deadly, apple_greedy, circling: "
+                             "Snake's hand rules")
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes")
     parser.add_argument("--seed", type=int, default=0, help="the random agent's and the DQN's seed")
     parser.add_argument("--json", help="also write the full result to this JSON file")
     game = parser.add_argument_group("game options (the game's default when left out)")
     game.add_argument("--size", type=int)
     game.add_argument("--map", choices=["classic"],
-                      help="Frozen Lake: Gymnasium's classic 4x4 map instead of a random map per seed")
+                      help="Frozen Lake: Gymnasium's classic 4x4 map instead of a random map "
+                           "per seed")
     game.add_argument("--slippery", action="store_true", help="Frozen Lake: slippery ice")
     game.add_argument("--max-steps", type=int)
     game.add_argument("--apples", type=int, help="Snake: apples on the board")
     game.add_argument("--bananas", type=int, help="Snake Poison Apple: bananas on the board")
     game.add_argument("--opponent", action="store_true", help="Snake: add a random opponent snake")
-    game.add_argument("--env-opt", action="append", type=support.parse_env_option, metavar="KEY=VALUE",
-                      help="any game option, as msgrpo.py takes it: slippery=false, hole_penalty=-1 ...")
+    game.add_argument("--env-opt", action="append", type=support.parse_env_option,
+                      metavar="KEY=VALUE",
+                      help="any game option, as msgrpo.py takes it: slippery=false, "
+                           "hole_penalty=-1 ...")
     dqn = parser.add_argument_group("DQN")
-    dqn.add_argument("--train-steps", type=int, help="train for this many environment steps (else load)")
+    dqn.add_argument("--train-steps", type=int,
+                     help="train for this many environment steps (else load)")
     dqn.add_argument("--runs", default="runs", help="where DQN weights are saved and looked for")
     dqn.add_argument("--dqn-dir", help="the DQN run folder (default runs/dqn-<env>[-<options>])")
     dqn.add_argument("--overwrite", action="store_true",
@@ -1011,16 +1062,22 @@ def build_parser():
 
 
 def add_server_flags(parser):
-    """The chat server agent's flags; check them with check_server_flags, build it with server_agent."""
-    parser.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
-    parser.add_argument("--model", help="the model name the server knows (API key: $OPENAI_API_KEY)")
+    """The chat server agent's flags; check them with check_server_flags, build it with
+    server_agent."""
+    parser.add_argument("--base-url",
+                        help="OpenAI-compatible server, e.g. http://localhost:8000/v1")
+    parser.add_argument("--model",
+                        help="the model name the server knows (API key: $OPENAI_API_KEY)")
     parser.add_argument("--max-tokens", type=int, default=32, help="server: tokens per reply")
     parser.add_argument("--concurrency", type=int, default=8, help="server: requests in flight")
-    parser.add_argument("--timeout", type=float, default=60.0, help="server: seconds per network operation")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="server: seconds per network operation")
     parser.add_argument("--retries", type=int, default=2, help="server: tries after a failed one")
-    parser.add_argument("--backoff", type=float, default=1.0, help="server: seconds before the first retry, doubling")
+    parser.add_argument("--backoff", type=float, default=1.0,
+                        help="server: seconds before the first retry, doubling")
     parser.add_argument("--deadline", type=float, default=180.0,
-                        help="server: seconds for a whole reply, all tries included; then it counts as invalid")
+                        help="server: seconds for a whole reply, all tries included; then it "
+                             "counts as invalid")
 
 
 # The chat server agent's settings: (lowest, whether lowest itself is refused, highest or None).
@@ -1052,9 +1109,9 @@ def check_server_flags(args, parser):
 
 
 def server_agent(args):
-    return ChatServerAgent(args.base_url, args.model, max_tokens=args.max_tokens, timeout=args.timeout,
-                           retries=args.retries, backoff=args.backoff, deadline=args.deadline,
-                           concurrency=args.concurrency)
+    return ChatServerAgent(args.base_url, args.model, max_tokens=args.max_tokens,
+                           timeout=args.timeout, retries=args.retries, backoff=args.backoff,
+                           deadline=args.deadline, concurrency=args.concurrency)
 
 
 def make_agent(args, options, parser):
@@ -1078,7 +1135,8 @@ def make_agent(args, options, parser):
     run_dir = Path(args.dqn_dir) if args.dqn_dir else dqn_run_dir(args.env, options, args.runs)
     if args.train_steps is not None:
         refuse_to_replace(run_dir, args.overwrite, parser.prog)  # before the training, not after
-        cfg = DQNConfig(env=args.env, env_options=options, train_steps=args.train_steps, seed=args.seed)
+        cfg = DQNConfig(env=args.env, env_options=options, train_steps=args.train_steps,
+                        seed=args.seed)
         start = time.time()
         q, stats = train_dqn(cfg)
         stats["seconds"] = round(time.time() - start, 1)

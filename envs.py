@@ -6,7 +6,8 @@ through the observation text (`observation()`, the renderer) and acts only throu
 
     env = envs.make("frozen_lake", slippery=True)
     obs_text, info = env.reset(seed=0)
-    obs_text, reward, terminated, truncated, info = env.step(env.parse_action("<action>down</action>"))
+    action = env.parse_action("<action>down</action>")  # an index into env.actions, or None
+    obs_text, reward, terminated, truncated, info = env.step(action)
 
 `step(None)` is an invalid action: the game applies its default action (Frozen Lake: stay put;
 Snake: keep going), adds `invalid_penalty` to the reward and sets `info["invalid"] = True`.
@@ -43,9 +44,11 @@ def heldout_seeds(n):
 
 # ---- The parser: response text -> action index, or None for an invalid response ----
 
-THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)", re.IGNORECASE | re.DOTALL)  # unclosed: to the end
+THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)",
+                         re.IGNORECASE | re.DOTALL)  # unclosed: to the end
 CLOSE_THINK = re.compile(r"</think>", re.IGNORECASE)
-# "(?:/\s*)?" rather than "/?\s*": two adjacent \s* would make "<" and a long run of spaces quadratic.
+# "(?:/\s*)?" rather than "/?\s*": two adjacent \s* would make "<" and a long run of spaces
+# quadratic.
 ANY_ACTION_TAG = re.compile(r"<\s*(?:/\s*)?action\s*>", re.IGNORECASE)
 WORD = re.compile(r"[^\W\d_]+")  # a run of letters, in any alphabet
 LONE_WORD = re.compile(r"[\W_]*([^\W\d_]+)[\W_]*")  # one word, maybe wrapped in spaces/punctuation
@@ -88,7 +91,8 @@ def parse_action(text, actions):
     """Response text -> index into `actions`, or None when the response names no single move.
 
     1. Thinking is ignored.
-    2. The last complete <action>...</action> tag decides ("<action> Move RIGHT. </action>" is right).
+    2. The last complete <action>...</action> tag decides ("<action> Move RIGHT. </action>" is
+       right).
     3. Else the first line after an unclosed final "<action>": the response may be cut off at
        the token limit, and the prompt may pre-fill "<action>" ("<action>right\nbecause...").
     4. Else a lone action word as the whole response ("Right.", " up\\n").
@@ -192,7 +196,8 @@ class TextGame(gymnasium.Env):
         """`action`: an index into `self.actions`, or None for an invalid response."""
         if self.done:
             raise RuntimeError(f"{self.name}: the episode is over (or never started); call reset()")
-        if action is not None and (isinstance(action, bool) or not isinstance(action, (int, np.integer))
+        if action is not None and (isinstance(action, bool)
+                                   or not isinstance(action, (int, np.integer))
                                    or not 0 <= action < len(self.actions)):
             raise ValueError(f"action must be None or an index 0..{len(self.actions) - 1} into "
                              f"{self.actions}, got {action!r}")
@@ -208,7 +213,8 @@ class TextGame(gymnasium.Env):
         return self.observation(), float(reward), terminated, truncated, self.info(invalid)
 
     def observation(self):
-        """The prompt text: rules, actions, the state. The response format is the agent's business."""
+        """The prompt text: rules, actions, the state. The response format is the agent's
+        business."""
         return (f"{self.rules}\nActions: {', '.join(self.actions)}.\n{self.state_text()}\n"
                 f"Steps left: {self.max_steps - self.steps}.")
 
@@ -260,28 +266,33 @@ BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True,
 
 def option_from_text(env_name, key, text):
     """One game option from its text, typed by the option's default: a boolean from BOOLEAN_WORDS,
-    an int, a finite float, a word (Frozen Lake's start), or Frozen Lake's map ("classic", "random", or rows "SFF,FHF,FFG").
+    an int, a finite float, a word (Frozen Lake's start), or Frozen Lake's map ("classic",
+    "random", or rows "SFF,FHF,FFG").
     Raises ValueError naming the option and what it accepts. Ranges are checked by the game."""
     game = GAMES.get(env_name)
     if game is None:
         raise ValueError(f"unknown env {env_name!r}; valid envs: {', '.join(ENV_NAMES)}")
     if key not in game.defaults:
-        raise ValueError(f"{env_name} has no option {key!r}; valid options: {', '.join(sorted(game.defaults))}")
+        raise ValueError(f"{env_name} has no option {key!r}; valid options: "
+                         f"{', '.join(sorted(game.defaults))}")
     default, word = game.defaults[key], text.strip().lower()
     if isinstance(default, bool):
         if word not in BOOLEAN_WORDS:
-            raise ValueError(f"option {key} must be a boolean ({', '.join(BOOLEAN_WORDS)}), got {text!r}")
+            raise ValueError(f"option {key} must be a boolean ({', '.join(BOOLEAN_WORDS)}), "
+                             f"got {text!r}")
         return BOOLEAN_WORDS[word]
     if isinstance(default, str):
         return text.strip()  # the game checks it against its choices
     if key == "map":
         if word in ("classic", "random", "none"):
             return {"classic": "classic"}.get(word)
-        return [row.strip() for row in text.strip(" []").replace('"', "").replace("'", "").split(",")]
+        return [row.strip()
+                for row in text.strip(" []").replace('"', "").replace("'", "").split(",")]
     try:
         value = int(word) if isinstance(default, int) else float(word)
     except ValueError:
-        raise ValueError(f"option {key} must be {'an int' if isinstance(default, int) else 'a number'}, "
+        raise ValueError(f"option {key} must be "
+                         f"{'an int' if isinstance(default, int) else 'a number'}, "
                          f"got {text!r}") from None
     if not math.isfinite(value):
         raise ValueError(f"option {key} must be a finite number, got {text!r}")
@@ -300,14 +311,16 @@ def pointless_options_warning(game):
     if not isinstance(game, FrozenLake):
         return ""
     if game.fixed_map:
-        (start_row, start_col), (goal_row, goal_col) = (cells_with(game.fixed_map, tile)[0] for tile in "SG")
+        (start_row, start_col), (goal_row, goal_col) = (cells_with(game.fixed_map, tile)[0]
+                                                        for tile in "SG")
         distance = abs(goal_row - start_row) + abs(goal_col - start_col)
     else:
-        distance = 2 * (game.size - 1)  # random maps start at the top left, the goal at the bottom right
+        # random maps start at the top left, the goal at the bottom right
+        distance = 2 * (game.size - 1)
     if distance <= game.max_steps:
         return ""
-    return (f"warning: the goal is {distance} moves from the start but max_steps is {game.max_steps}: "
-            f"no episode can reach it")
+    return (f"warning: the goal is {distance} moves from the start but max_steps is "
+            f"{game.max_steps}: no episode can reach it")
 
 
 # ---- Frozen Lake: Gymnasium's FrozenLake-v1 dynamics, written out ----
@@ -343,7 +356,8 @@ def frozen_lake_transition_tensor(map_rows, slippery):
     T = np.zeros((nrow * ncol, 4, nrow * ncol))
     for state in range(nrow * ncol):
         for action in range(4):
-            for prob, (r, c) in frozen_lake_transitions(map_rows, divmod(state, ncol), action, slippery):
+            for prob, (r, c) in frozen_lake_transitions(map_rows, divmod(state, ncol), action,
+                                                        slippery):
                 T[state, action, r * ncol + c] += prob
     return T
 
@@ -367,7 +381,8 @@ def frozen_lake_values(map_rows, slippery, tol=1e-13, max_iterations=1_000_000):
     def iterate(values, allowed, discount):
         for _ in range(max_iterations):
             q = discount * (T @ values)
-            new = np.where(goal, 1.0, np.where(hole, 0.0, np.where(allowed, q, -np.inf).max(axis=1)))
+            new = np.where(goal, 1.0,
+                           np.where(hole, 0.0, np.where(allowed, q, -np.inf).max(axis=1)))
             if np.max(np.abs(new - values)) < tol:
                 return new, q
             values = new
@@ -387,7 +402,8 @@ def resolve_map(map_option):
         return None
     rows = MAPS["4x4"] if map_option == "classic" else map_option
     if isinstance(rows, str) or not all(isinstance(row, str) for row in rows):
-        raise ValueError(f'option map must be None, "classic" or a list of row strings, got {map_option!r}')
+        raise ValueError(f'option map must be None, "classic" or a list of row strings, '
+                         f'got {map_option!r}')
     rows, tiles = [row.upper() for row in rows], "".join(rows).upper()
     well_formed = len({len(row) for row in rows}) == 1 and set(tiles) <= set("SFHG")
     if not well_formed or tiles.count("S") != 1 or "G" not in tiles:
@@ -406,7 +422,8 @@ TILE_NAMES = {"S": "ice", "F": "ice", "H": "hole", "G": "goal"}
 
 
 def walks_onto(map_rows, position, action):
-    """What a (firm) move walks onto: 'ice', 'hole', 'goal', or 'edge' where it leaves you in place."""
+    """What a (firm) move walks onto: 'ice', 'hole', 'goal', or 'edge' where it leaves you in
+    place."""
     row, col = frozen_lake_slide(map_rows, position, action)
     return "edge" if (row, col) == tuple(position) else TILE_NAMES[map_rows[row][col]]
 
@@ -416,11 +433,13 @@ def rule_move(map_rows, position, preference=("down", "right")):
     neither a hole nor the edge; the last one if each does. ("down", "right") is the rule a trained
     policy first learns: down unless that is a hole or the edge, else right."""
     moves = [FROZEN_LAKE_ACTIONS.index(name) for name in preference]
-    return next((m for m in moves if walks_onto(map_rows, position, m) not in ("hole", "edge")), moves[-1])
+    return next((m for m in moves if walks_onto(map_rows, position, m) not in ("hole", "edge")),
+                moves[-1])
 
 
 def rule_walk_wins(map_rows, position, steps, preference=("down", "right")):
-    """Whether greedy play of rule_move from `position` reaches the goal within `steps` firm moves."""
+    """Whether greedy play of rule_move from `position` reaches the goal within `steps` firm
+    moves."""
     for _ in range(steps):
         position = frozen_lake_slide(map_rows, position, rule_move(map_rows, position, preference))
         if map_rows[position[0]][position[1]] in "HG":
@@ -429,7 +448,8 @@ def rule_walk_wins(map_rows, position, steps, preference=("down", "right")):
 
 
 def goal_distances(map_rows):
-    """{cell: the fewest firm moves from it to the goal}, for the cells that can reach it (a breadth-
+    """{cell: the fewest firm moves from it to the goal},
+    for the cells that can reach it (a breadth-
     first search back from the goal; no path steps on a hole, which would end the game)."""
     goal = cells_with(map_rows, "G")[0]
     distances, frontier = {goal: 0}, deque([goal])
@@ -460,9 +480,10 @@ def offset_text(d_row, d_col):
 class FrozenLake(TextGame):
     name = "frozen_lake"
     actions = FROZEN_LAKE_ACTIONS
-    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1, hole_penalty=0.0,
-                    start="S")
-    starts = ("S", "ice", "beside_hole", "hole_toward_goal", "rule_loses")  # the first: held-out games
+    defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1,
+                    hole_penalty=0.0, start="S")
+    starts = ("S", "ice", "beside_hole", "hole_toward_goal",
+              "rule_loses")  # the first: held-out games
     training_start = "beside_hole"
 
     def __init__(self, **options):
@@ -471,10 +492,12 @@ class FrozenLake(TextGame):
         self.size = positive_int("size", self.options["size"], minimum=2, maximum=MAX_BOARD_SIZE)
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = boolean("slippery", self.options["slippery"])
-        self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])  # Gymnasium's 0 unless set
+        self.hole_penalty = finite_float("hole_penalty",
+                                         self.options["hole_penalty"])  # Gymnasium's 0 unless set
         self.start = self.options["start"]
         if self.start not in self.starts:
-            raise ValueError(f"option start must be one of {', '.join(self.starts)}, got {self.start!r}")
+            raise ValueError(f"option start must be one of {', '.join(self.starts)}, "
+                             f"got {self.start!r}")
         slip = (" The ice is slippery: you move in the chosen direction only 1/3 of the time,"
                 " otherwise to one of its two sides." if self.slippery else "")
         self.rules = ("Frozen Lake: reach the goal G without falling into a hole H."
@@ -487,12 +510,12 @@ class FrozenLake(TextGame):
         self.position = self.start_cell()
 
     def start_cell(self):
-        """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell ("ice"), an
-        ice cell one move from a hole ("beside_hole"), one where a move toward the goal walks into a
-        hole ("hole_toward_goal": the moves a player heading for G makes are the ones worth testing),
-        or one from which the neighbour rule (rule_move) falls in or runs out of steps although the
-        goal is within reach ("rule_loses": where only a detour wins); any ice cell on a map without
-        such a cell."""
+        """S, Gymnasium's start; or, for exploring starts, a cell the seed picks: any ice cell
+        ("ice"), an ice cell one move from a hole ("beside_hole"), one where a move toward the goal
+        walks into a hole ("hole_toward_goal": the moves a player heading for G makes are the ones
+        worth testing), or one from which the neighbour rule (rule_move) falls in or runs out of
+        steps although the goal is within reach ("rule_loses": where only a detour wins); any ice
+        cell on a map without such a cell."""
         if self.start == "S":
             return cells_with(self.map, "S")[0]
         ice = cells_with(self.map, "S") + cells_with(self.map, "F")
@@ -500,12 +523,15 @@ class FrozenLake(TextGame):
             return ice[self.rng.integers(len(ice))]
         if self.start == "rule_loses":
             reachable = goal_distances(self.map)
-            cells = [cell for cell in ice if reachable.get(cell, self.max_steps + 1) <= self.max_steps
+            cells = [cell for cell in ice
+                     if reachable.get(cell, self.max_steps + 1) <= self.max_steps
                      and not rule_walk_wins(self.map, cell, self.max_steps)] or ice
             return cells[self.rng.integers(len(cells))]
-        tested = {cell: range(len(self.actions)) if self.start == "beside_hole" else self.moves_toward_goal(cell)
+        tested = {cell: range(len(self.actions)) if self.start == "beside_hole"
+                  else self.moves_toward_goal(cell)
                   for cell in ice}
-        cells = [cell for cell in ice if any(walks_onto(self.map, cell, a) == "hole" for a in tested[cell])] or ice
+        cells = [cell for cell in ice
+                 if any(walks_onto(self.map, cell, a) == "hole" for a in tested[cell])] or ice
         return cells[self.rng.integers(len(cells))]
 
     def moves_toward_goal(self, cell):
@@ -525,7 +551,8 @@ class FrozenLake(TextGame):
         if action is None:
             return 0.0, False  # the default action: stay put
         outcomes = frozen_lake_transitions(self.map, self.position, action, self.slippery)
-        pick = self.rng.choice(len(outcomes), p=[prob for prob, _ in outcomes]) if len(outcomes) > 1 else 0
+        pick = (self.rng.choice(len(outcomes), p=[prob for prob, _ in outcomes])
+                if len(outcomes) > 1 else 0)
         self.position = outcomes[pick][1]
         tile = self.map[self.position[0]][self.position[1]]
         return {"G": 1.0, "H": self.hole_penalty}.get(tile, 0.0), tile in "HG"
@@ -572,7 +599,8 @@ def probe_states(n_maps, first_seed, **options):
         raise ValueError(f"probe seeds must be training seeds, below {HELDOUT_SEED_START}")
     seeded = make("frozen_lake", **options)
     seeds = range(first_seed, first_seed + n_maps)
-    maps = dict.fromkeys(tuple(seeded.reset(seed=seed)[1]["map"]) for seed in seeds)  # in order, once each
+    maps = dict.fromkeys(tuple(seeded.reset(seed=seed)[1]["map"])
+                         for seed in seeds)  # in order, once each
     states = []
     for map_rows in maps:
         game = make("frozen_lake", **{**options, "map": list(map_rows)})
@@ -634,11 +662,11 @@ def worths_text(draw):
 class Snake(TextGame):
     name = "snake"
     actions = SNAKE_ACTIONS
-    defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False, invalid_penalty=-0.1,
-                    start="standard", varied_rules=False)
-    # standard: the head at (3n/4, n/2), heading right, as held-out games start. facing_wall: the head
-    # on a border cell the seed picks, heading out of the board, so a group's first move decides
-    # whether it lives.
+    defaults = dict(size=10, apples=5, step_reward=0.0, max_steps=100, opponent=False,
+                    invalid_penalty=-0.1, start="standard", varied_rules=False)
+    # standard: the head at (3n/4, n/2), heading right, as held-out games start. facing_wall: the
+    # head on a border cell the seed picks, heading out of the board, so a group's first move
+    # decides whether it lives.
     # varied_rules: each game's rules say which fruits are on the board and what each is worth
     # (VARIED_WORTHS: an apple, banana or cherry worth +1 or -1, a second fruit the opposite or
     # absent; `apples` of each), drawn from the seed, so a group shares them; rewards follow them.
@@ -671,7 +699,8 @@ class Snake(TextGame):
         self.has_opponent = boolean("opponent", self.options["opponent"])
         self.start = self.options["start"]
         if self.start not in self.starts:
-            raise ValueError(f"option start must be one of {', '.join(self.starts)}, got {self.start!r}")
+            raise ValueError(f"option start must be one of {', '.join(self.starts)}, "
+                             f"got {self.start!r}")
         self.rules = self.rules_text(self.fruit_rules)
         if self.varied_rules:  # until reset draws them: the longest, which the space must hold
             self.rules = max(map(self.rules_text, map(worths_text, VARIED_WORTHS)), key=len)
@@ -711,7 +740,8 @@ class Snake(TextGame):
         self.died = False
 
     def start_snake(self):
-        """(cells head first, direction) of a new game's snake, three cells long in a straight line."""
+        """(cells head first, direction) of a new game's snake, three cells long in a straight
+        line."""
         if self.start == "standard":
             row, col = self.size * 3 // 4, self.size // 2
             return [(row, col), (row, col - 1), (row, col - 2)], 1
@@ -739,7 +769,8 @@ class Snake(TextGame):
         return "apple" if cell in self.apples else "banana" if cell in self.bananas else None
 
     def advance(self, body, head):
-        """Move a snake's head to `head`; it grows if it eats, and the fruit grows back elsewhere."""
+        """Move a snake's head to `head`; it grows if it eats, and the fruit grows back
+        elsewhere."""
         fruit = self.fruit_at(head)
         body.insert(0, head)
         if fruit is None:
@@ -792,7 +823,8 @@ class Snake(TextGame):
         goal offset does, and the board shows the rest; each list cost about 3 tokens a cell.
         """
         first, second = self.fruit_names
-        lines = [f"You are moving {self.actions[self.direction]}; your snake is {len(self.snake)} cells long.",
+        lines = [f"You are moving {self.actions[self.direction]}; your snake is "
+                 f"{len(self.snake)} cells long.",
                  f"Nearest {first}: {nearest_offset(self.snake[0], self.apples)}."]
         if self.banana_count:
             lines.append(f"Nearest {second}: {nearest_offset(self.snake[0], self.bananas)}.")
@@ -846,7 +878,8 @@ class Snake(TextGame):
 
 
 def nearest_offset(head, cells):
-    """'2 up, 1 right' to the nearest of `cells` (fewest moves; the first listed on a tie), or 'none'."""
+    """'2 up, 1 right' to the nearest of `cells` (fewest moves; the first listed on a tie), or
+    'none'."""
     if not cells:
         return "none"
     row, col = min(cells, key=lambda cell: abs(cell[0] - head[0]) + abs(cell[1] - head[1]))
@@ -919,23 +952,27 @@ def agent_responses(agent, observations, infos):
     if hasattr(agent, "act_batch"):
         responses = list(agent.act_batch(observations, infos))
         if len(responses) != len(observations):
-            raise ValueError(f"act_batch returned {len(responses)} responses for {len(observations)} prompts")
+            raise ValueError(f"act_batch returned {len(responses)} responses for "
+                             f"{len(observations)} prompts")
         return responses
     return [agent.act(obs, info) for obs, info in zip(observations, infos)]
 
 
 def play_batch(agent, env_name, seeds, env_options, bar):
-    """Play one episode per seed, all in lockstep: one agent call per step for every live episode."""
+    """Play one episode per seed, all in lockstep: one agent call per step for every live
+    episode."""
     games = [make(env_name, **env_options) for _ in seeds]
     observations, infos = zip(*[game.reset(seed=seed) for game, seed in zip(games, seeds)])
     observations, infos = list(observations), list(infos)
     episodes = [{"return": 0.0, "steps": 0, "invalid": 0} for _ in seeds]
     live = list(range(len(seeds)))
     while live:
-        responses = agent_responses(agent, [observations[i] for i in live], [infos[i] for i in live])
+        responses = agent_responses(agent, [observations[i] for i in live],
+                                    [infos[i] for i in live])
         still_live = []
         for i, response in zip(live, responses):
-            obs, reward, terminated, truncated, info = games[i].step(games[i].parse_action(response))
+            obs, reward, terminated, truncated, info = games[i].step(
+                games[i].parse_action(response))
             observations[i], infos[i] = obs, info
             episodes[i]["return"] += reward
             episodes[i]["steps"] += 1
@@ -951,11 +988,13 @@ def play_batch(agent, env_name, seeds, env_options, bar):
 
 
 # The averages `evaluate` reports, each with the key of its 95% interval (apples: Snake only).
-INTERVAL_OF = {"success_rate": "success_ci95", "mean_return": "return_ci95", "mean_apples": "apples_ci95"}
+INTERVAL_OF = {"success_rate": "success_ci95", "mean_return": "return_ci95",
+               "mean_apples": "apples_ci95"}
 
 
 def score_keys(env_name):
-    """What a game is judged by, as (metric, its 95% interval): Frozen Lake's success, Snake's return."""
+    """What a game is judged by, as (metric, its 95% interval): Frozen Lake's success, Snake's
+    return."""
     score = "success_rate" if env_name == "frozen_lake" else "mean_return"
     return score, INTERVAL_OF[score]
 
@@ -972,7 +1011,8 @@ def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_option
     episodes = []
     with tqdm(total=len(seeds), desc=f"eval {env_name}", disable=not progress) as bar:
         for start in range(0, len(seeds), batch_size):
-            episodes += play_batch(agent, env_name, seeds[start:start + batch_size], env_options, bar)
+            episodes += play_batch(agent, env_name, seeds[start:start + batch_size], env_options,
+                                   bar)
     n = len(episodes)
     wins = sum(e["success"] for e in episodes)
     mean_return, return_ci = mean_ci95([e["return"] for e in episodes])
@@ -990,5 +1030,6 @@ def evaluate(agent, env_name, seeds, batch_size=64, progress=False, **env_option
     else:
         mean_apples, apples_ci = mean_ci95([e["apples"] for e in episodes])
         deaths = sum(e["died"] for e in episodes)
-        result.update(mean_apples=mean_apples, apples_ci95=apples_ci, deaths=deaths, death_rate=deaths / n)
+        result.update(mean_apples=mean_apples, apples_ci95=apples_ci, deaths=deaths,
+                      death_rate=deaths / n)
     return result

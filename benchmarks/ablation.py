@@ -1,15 +1,17 @@
 """One setting varied, everything else at msgrpo.py's defaults, over training seeds; the table.
 
-    python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 --out results/ablation_sampling
+    python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 \\
+        --out results/ablation_sampling
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
-    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --think --out results/algo_comparison_think
+    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --think \\
+        --out results/algo_comparison_think
 
 Each (value, seed) trains `python msgrpo.py --<setting> <value> --seed <seed>` (algo poad or ntpo:
 `python baselines.py <value> --seed <seed>`) into runs/ablation/<value>-s<seed> (equal iterations,
-so equal episodes; the table counts their steps), then plays the trained adapter on held-out maps, greedy and sampled at the training
-temperature. A run already trained is only evaluated again; an interrupted one resumes. Writes
-<out>/ablation.md (the table) and <out>/ablation.json, and copies each run's config.json,
-metrics.jsonl and eval.json (not the adapter) to <out>/<value>-s<seed>/.
+so equal episodes; the table counts their steps), then plays the trained adapter on held-out maps,
+greedy and sampled at the training temperature. A run already trained is only evaluated again; an
+interrupted one resumes. Writes <out>/ablation.md (the table) and <out>/ablation.json, and copies
+each run's config.json, metrics.jsonl and eval.json (not the adapter) to <out>/<value>-s<seed>/.
 """
 
 import argparse
@@ -33,10 +35,12 @@ def trained(run_dir: Path, iterations: int) -> bool:
 
 
 def config_and_trainer(setting: str, value: str, **settings):
-    """msgrpo.py's Config and train, or for algo poad / ntpo baselines.py's (the critic's settings)."""
+    """msgrpo.py's Config and train, or for algo poad / ntpo baselines.py's (the critic's
+    settings)."""
     if setting == "algo" and value != "msgrpo":
         return baselines.POADConfig(algo=value, **settings), baselines.train_poad
-    return msgrpo.Config(**({} if setting == "algo" else {setting: value}), **settings), msgrpo.train
+    return (msgrpo.Config(**({} if setting == "algo" else {setting: value}), **settings),
+            msgrpo.train)
 
 
 def algo_of(saved: dict) -> str:
@@ -46,7 +50,8 @@ def algo_of(saved: dict) -> str:
 def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
     run_dir = runs / f"{value}{'-think' if args.think else ''}-s{seed}"
     cfg, train = config_and_trainer(setting, value, seed=seed, eval_episodes=0, model=args.model,
-                                     iterations=args.iterations, think=args.think, run_dir=str(run_dir))
+                                     iterations=args.iterations, think=args.think,
+                                     run_dir=str(run_dir))
     cfg = msgrpo.resolve_defaults(cfg)
     if not trained(run_dir, cfg.iterations):
         train(cfg, resume=(run_dir / "checkpoint.pt").exists())
@@ -64,17 +69,24 @@ def evaluate_run(run_dir: Path, greedy_episodes: int, sampled_episodes: int) -> 
 
 def summary(run_dir: Path, setting: str) -> dict:
     saved = support.load_json(run_dir / "config.json")
-    cfg = {**dataclasses.asdict(support.load_config(run_dir, msgrpo.Config, msgrpo.resolve_defaults)), "algo": algo_of(saved)}
+    cfg = {**dataclasses.asdict(support.load_config(run_dir, msgrpo.Config,
+                                                    msgrpo.resolve_defaults)),
+           "algo": algo_of(saved)}
     metrics = support.read_metrics(run_dir)
     final = support.load_json(run_dir / "eval.json")[-1]
-    return {setting: cfg[setting], "seed": cfg["seed"], "think": cfg["think"], "iterations": len(metrics),
+    return {setting: cfg[setting], "seed": cfg["seed"], "think": cfg["think"],
+            "iterations": len(metrics),
             "train_minutes": sum(m["seconds"] for m in metrics) / 60,
-            "env_steps": round(sum(m["mean_steps"] for m in metrics) * cfg["groups"] * cfg["group_size"]),
+            "env_steps": round(sum(m["mean_steps"] for m in metrics) * cfg["groups"]
+                               * cfg["group_size"]),
             "tokens_trained": sum(m["tokens_trained"] for m in metrics),
             # Shows the machine's speed: wall times from different days compare only through it.
-            "train_tokens_per_second": float(np.mean([m["train_tokens_per_second"] for m in metrics])),
-            "greedy": {k: final[k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")},
-            "sampled": {k: final["sampled"][k] for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")}}
+            "train_tokens_per_second": float(np.mean([m["train_tokens_per_second"]
+                                                      for m in metrics])),
+            "greedy": {k: final[k]
+                       for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")},
+            "sampled": {k: final["sampled"][k]
+                        for k in ("episodes", "success_rate", "success_ci95", "invalid_rate")}}
 
 
 def pooled(rows: list[dict], kind: str) -> str:
@@ -95,13 +107,15 @@ def table(rows: list[dict], setting: str, values: list[str]) -> str:
              "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r[setting]} | {r['seed']} | {cell(r, 'sampled')} | {cell(r, 'greedy')} "
-                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} | {r['env_steps']:,} "
+                     f"| {r['sampled']['invalid_rate']:.3f} | {r['train_minutes']:.1f} "
+                     f"| {r['env_steps']:,} "
                      f"| {r['tokens_trained']:,} | {r['train_tokens_per_second']:.0f} |")
     for value in values:
         mine = [r for r in rows if r[setting] == value]
         if len(mine) > 1:
             lines.append(f"| **{value}, seeds pooled** | {len(mine)} | {pooled(mine, 'sampled')} "
-                         f"| {pooled(mine, 'greedy')} | {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
+                         f"| {pooled(mine, 'greedy')} "
+                         f"| {np.mean([r['sampled']['invalid_rate'] for r in mine]):.3f} "
                          f"| {np.mean([r['train_minutes'] for r in mine]):.1f} "
                          f"| {np.mean([r['env_steps'] for r in mine]):,.0f} "
                          f"| {np.mean([r['tokens_trained'] for r in mine]):,.0f} "
@@ -132,7 +146,8 @@ def main(argv=None):
     parser.add_argument("--greedy-episodes", type=int, default=100)
     parser.add_argument("--sampled-episodes", type=int, default=200)
     parser.add_argument("--think", action="store_true",
-                        help="train with --think (replies of up to 256 tokens); runs are named <value>-think-s<seed>")
+                        help="train with --think (replies of up to 256 tokens); runs are named "
+                             "<value>-think-s<seed>")
     parser.add_argument("--runs", type=Path, default=Path("runs/ablation"))
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -140,7 +155,8 @@ def main(argv=None):
         for value in args.values:
             run_dir = train_run(args.setting, value, seed, args.runs, args)
             final = (support.load_json(run_dir / "eval.json") or [{}])[-1]
-            if final.get("episodes") != args.greedy_episodes or final.get("sampled", {}).get("episodes") != args.sampled_episodes:
+            if (final.get("episodes") != args.greedy_episodes
+                    or final.get("sampled", {}).get("episodes") != args.sampled_episodes):
                 evaluate_run(run_dir, args.greedy_episodes, args.sampled_episodes)
             keep = args.out / run_dir.name
             keep.mkdir(parents=True, exist_ok=True)

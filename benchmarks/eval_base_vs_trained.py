@@ -23,7 +23,8 @@ def main(argv=None):
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--episodes", type=int, default=200)
     parser.add_argument("--sampled", action="store_true",
-                        help="also play both sampled at T = 1 (stored under 'sampled', as train() does)")
+                        help="also play both sampled at T = 1 (stored under 'sampled', as "
+                             "train() does)")
     args = parser.parse_args(argv)
     cfg = support.load_config(args.run_dir, msgrpo.Config, msgrpo.resolve_defaults)
     cfg = dataclasses.replace(cfg, eval_episodes=args.episodes)
@@ -31,7 +32,8 @@ def main(argv=None):
     iteration = support.read_metrics(args.run_dir)[-1]["iteration"]  # the adapter's last iteration
     for adapter_on, at in [(True, iteration), (False, 0)]:
         with contextlib.nullcontext() if adapter_on else model.disable_adapter():
-            evaluate = msgrpo.evaluate_greedy_and_sampled if args.sampled else msgrpo.evaluate_policy
+            evaluate = (msgrpo.evaluate_greedy_and_sampled if args.sampled
+                        else msgrpo.evaluate_policy)
             result = evaluate(model, tokenizer, cfg)
         support.record_eval(args.run_dir, at, result)
     support.plot_curves(args.run_dir)

@@ -1,4 +1,5 @@
-"""What a map-blind fixed route wins: each of the 20 monotone routes from start to goal on 4x4 Frozen Lake.
+"""What a map-blind fixed route wins: each of the 20 monotone routes from start to goal
+on 4x4 Frozen Lake.
 
     python benchmarks/fixed_routes.py --maps 100
 
@@ -48,15 +49,16 @@ def clear_fraction(route: str, maps: list) -> float:
 
 
 def neighbour_rule_wins(map_rows, *preference) -> bool:
-    """Greedy play of envs.rule_move from S: e.g. ("down", "right"): down unless it walks onto a hole
-    or the edge, else right."""
+    """Greedy play of envs.rule_move from S: e.g. ("down", "right"): down unless it walks onto a
+    hole or the edge, else right."""
     start = envs.cells_with(map_rows, "S")[0]
     return envs.rule_walk_wins(map_rows, start, envs.FrozenLake.defaults["max_steps"], preference)
 
 
 def against_the_rule(won_seeds, seeds) -> dict:
     """Map by map against "down unless hole or edge, else right": of the maps of `seeds` the rule
-    loses, how many a policy that won `won_seeds` wins; of those it wins, how many the policy loses."""
+    loses, how many a policy that won `won_seeds` wins; of those it wins, how many the policy
+    loses."""
     maps = {seed: envs.make("frozen_lake").reset(seed=seed)[1]["map"] for seed in seeds}
     rule_won = {seed for seed in seeds if neighbour_rule_wins(maps[seed], "down", "right")}
     won = set(won_seeds)
@@ -81,9 +83,11 @@ def print_against_the_rule(eval_json: Path) -> None:
 def rule_on_the_probe(preference) -> dict:
     """The map-reading probe's numbers (support.probe_summary) for greedy play of rule_move."""
     cfg = msgrpo.Config()
-    states = envs.probe_states(support.PROBE_MAPS, support.PROBE_FIRST_SEED, **msgrpo.env_options(cfg))
+    states = envs.probe_states(support.PROBE_MAPS, support.PROBE_FIRST_SEED,
+                               **msgrpo.env_options(cfg))
     moves = np.array([envs.rule_move(map_rows, cell, preference) for map_rows, cell, _ in states])
-    return support.probe_summary(states, np.eye(4)[moves], moves, envs.make(cfg.env, **msgrpo.env_options(cfg)).max_steps)
+    return support.probe_summary(states, np.eye(4)[moves], moves,
+                                 envs.make(cfg.env, **msgrpo.env_options(cfg)).max_steps)
 
 
 RULES = [("down", "right"), ("right", "down"), ("down", "right", "left", "up")]
@@ -91,29 +95,37 @@ RULES = [("down", "right"), ("right", "down"), ("down", "right", "left", "up")]
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--maps", type=int, default=200, help="held-out maps, from envs.heldout_seeds")
+    parser.add_argument("--maps", type=int, default=200,
+                        help="held-out maps, from envs.heldout_seeds")
     parser.add_argument("--against", type=Path, metavar="EVAL_JSON",
-                        help="a run's eval.json: print only its maps won against the rule's, map by map")
+                        help="a run's eval.json: print only its maps won against the rule's, "
+                             "map by map")
     args = parser.parse_args(argv)
     if args.against:
         return print_against_the_rule(args.against)
-    maps = [envs.make("frozen_lake").reset(seed=seed)[1]["map"] for seed in envs.heldout_seeds(args.maps)]
-    routes = ["".join("D" if k in downs else "R" for k in range(6)) for downs in itertools.combinations(range(6), 3)]
-    print(f"| route (D down, R right) | hole-free on the first {args.maps} held-out maps |\n| --- | ---: |")
+    maps = [envs.make("frozen_lake").reset(seed=seed)[1]["map"]
+            for seed in envs.heldout_seeds(args.maps)]
+    routes = ["".join("D" if k in downs else "R" for k in range(6))
+              for downs in itertools.combinations(range(6), 3)]
+    print(f"| route (D down, R right) | hole-free on the first {args.maps} held-out maps |\n"
+          f"| --- | ---: |")
     for route in sorted(routes, key=lambda r: -clear_fraction(r, maps)):
         print(f"| {route} | {clear_fraction(route, maps):.3f} |")
-    print(f"\n| rule read from the neighbour line | wins on the first {args.maps} held-out maps, greedy |")
+    print(f"\n| rule read from the neighbour line | wins on the first {args.maps} held-out maps, "
+          f"greedy |")
     print("| --- | ---: |")
     for preference in RULES:
         wins = sum(neighbour_rule_wins(m, *preference) for m in maps)
         print(f"| {rule_name(preference)} | {wins / len(maps):.3f} |")
-    print("\n| rule, on the map-reading probe | P(down) hole / ice (ratio) | P(right) hole / ice (ratio) "
+    print("\n| rule, on the map-reading probe | P(down) hole / ice (ratio) "
+          "| P(right) hole / ice (ratio) "
           "| probe maps won greedily |\n| --- | --- | --- | ---: |")
     for preference in RULES:
         probe = rule_on_the_probe(preference)
         down, right = (f"{probe[f'probe_{m}_hole']:.2f} / {probe[f'probe_{m}_ice']:.2f} "
                        f"({probe[f'probe_{m}_ratio']:.2f})" for m in ("down", "right"))
-        print(f"| {rule_name(preference)} | {down} | {right} | {probe['probe_greedy_success']:.2f} |")
+        print(f"| {rule_name(preference)} | {down} | {right} "
+              f"| {probe['probe_greedy_success']:.2f} |")
 
 
 def rule_name(preference) -> str:

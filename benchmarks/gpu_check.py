@@ -32,8 +32,8 @@ import support  # noqa: E402
 
 QWEN25_3B = dict(
     hidden_size=2048, num_hidden_layers=36, intermediate_size=11008, num_attention_heads=16,
-    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-    rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+    max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
 )
 
 
@@ -42,7 +42,8 @@ def device() -> str:
 
 
 def peak_memory_gib() -> float:
-    """Peak allocated GPU memory since the last reset; on the CPU the process's peak resident size."""
+    """Peak allocated GPU memory since the last reset; on the CPU the process's peak resident
+    size."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
@@ -55,14 +56,17 @@ def reset_peak_memory() -> None:
 
 
 def random_qwen_folder(folder: Path, layers: int) -> Path:
-    """Qwen2.5-3B's architecture (first `layers` layers) with random bf16 weights, as a model folder."""
+    """Qwen2.5-3B's architecture (first `layers` layers) with random bf16 weights, as a model
+    folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     tokenizer = AutoTokenizer.from_pretrained(support.model_path("smollm2-135m"))
-    config = Qwen2Config(**{**QWEN25_3B, "num_hidden_layers": layers}, bos_token_id=tokenizer.bos_token_id,
+    config = Qwen2Config(**{**QWEN25_3B, "num_hidden_layers": layers},
+                         bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    with torch.device(device()):  # initialise where it is fast; 3 B parameters take minutes on a CPU
+    # initialise where it is fast; 3 B parameters take minutes on a CPU
+    with torch.device(device()):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -73,7 +77,8 @@ def random_qwen_folder(folder: Path, layers: int) -> Path:
 
 
 def check(cfg: msgrpo.Config, eval_batch: int) -> dict:
-    """Load, one training iteration, one evaluation batch; seconds, memory and throughput of each."""
+    """Load, one training iteration, one evaluation batch; seconds, memory and throughput of
+    each."""
     rows = {}
     reset_peak_memory()
     start = time.time()
@@ -91,7 +96,8 @@ def check(cfg: msgrpo.Config, eval_batch: int) -> dict:
                                 f"({env_steps:.0f} steps of {cfg.max_new_tokens} new tokens)")
     rows["update"] = dict(seconds=metrics["update_seconds"], peak_gib=iteration_peak,
                           rate=f"{metrics['train_tokens_per_second']:.0f} trained tokens/s "
-                               f"({metrics['steps_trained']} steps, {metrics['tokens_trained']} tokens)")
+                               f"({metrics['steps_trained']} steps, "
+                               f"{metrics['tokens_trained']} tokens)")
 
     reset_peak_memory()
     start = time.time()
@@ -101,24 +107,29 @@ def check(cfg: msgrpo.Config, eval_batch: int) -> dict:
     seconds = time.time() - start
     eval_steps = result["mean_steps"] * result["episodes"]
     rows["evaluation"] = dict(seconds=seconds, peak_gib=peak_memory_gib(),
-                              rate=f"{eval_steps / seconds:.2f} env steps/s ({eval_batch} episodes in one batch)")
-    rows["prompt_tokens"] = len(msgrpo.lap_prompt_ids(tokenizer, envs.make(cfg.env).reset(seed=0)[0], cfg))
+                              rate=f"{eval_steps / seconds:.2f} env steps/s "
+                                   f"({eval_batch} episodes in one batch)")
+    rows["prompt_tokens"] = len(msgrpo.lap_prompt_ids(tokenizer,
+                                                      envs.make(cfg.env).reset(seed=0)[0], cfg))
     return rows
 
 
 def markdown(rows: dict, cfg: msgrpo.Config, layers: int, eval_batch: int, command: str) -> str:
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    memory = "peak allocated GPU memory" if torch.cuda.is_available() else "peak resident memory of the process"
+    memory = ("peak allocated GPU memory" if torch.cuda.is_available()
+              else "peak resident memory of the process")
     lines = [
-        f"# Qwen2.5-3B-shaped model ({layers} of 36 layers), NF4 + LoRA r {cfg.lora_r}: one MS-GRPO iteration",
+        f"# Qwen2.5-3B-shaped model ({layers} of 36 layers), NF4 + LoRA r {cfg.lora_r}: "
+        f"one MS-GRPO iteration",
         "",
         f"`{command}`",
         "",
         f"Device: {where}; torch {torch.__version__}. Random weights, so every reply runs to "
-        f"{cfg.max_new_tokens} new tokens and every episode to its {cfg.env_options.get('max_steps', 16)}-step "
-        f"limit: the longest rollout these sizes allow. {cfg.groups} groups x {cfg.group_size} episodes, "
-        f"micro-batch {cfg.micro_batch}, gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; "
-        f"prompts of ~{rows['prompt_tokens']} tokens. Memory: {memory}; rollout and update share one "
+        f"{cfg.max_new_tokens} new tokens and every episode to its "
+        f"{cfg.env_options.get('max_steps', 16)}-step limit: the longest rollout these sizes "
+        f"allow. {cfg.groups} groups x {cfg.group_size} episodes, micro-batch {cfg.micro_batch}, "
+        f"gradient checkpointing {'on' if cfg.gradient_checkpointing else 'off'}; prompts of "
+        f"~{rows['prompt_tokens']} tokens. Memory: {memory}; rollout and update share one "
         f"reading (the peak of the whole iteration).",
         "",
         "| phase | seconds | peak memory (GiB) | throughput |",
@@ -126,16 +137,19 @@ def markdown(rows: dict, cfg: msgrpo.Config, layers: int, eval_batch: int, comma
     ]
     for phase in ("load", "rollout", "update", "evaluation"):
         row = rows[phase]
-        lines.append(f"| {phase} | {row['seconds']:.1f} | {row['peak_gib']:.2f} | {row.get('rate', '')} |")
+        lines.append(f"| {phase} | {row['seconds']:.1f} | {row['peak_gib']:.2f} "
+                     f"| {row.get('rate', '')} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=36, help="decoder layers to build (36 = Qwen2.5-3B)")
+    p.add_argument("--layers", type=int, default=36,
+                   help="decoder layers to build (36 = Qwen2.5-3B)")
     p.add_argument("--groups", type=int, default=msgrpo.Config.groups)
     p.add_argument("--group-size", type=int, default=msgrpo.Config.group_size)
-    p.add_argument("--max-steps", type=int, default=16, help="Frozen Lake step limit (default 16, the game's)")
+    p.add_argument("--max-steps", type=int, default=16,
+                   help="Frozen Lake step limit (default 16, the game's)")
     p.add_argument("--eval-batch", type=int, default=64, help="episodes in the evaluation batch")
     p.add_argument("--out", type=Path, help="also write the table here")
     args = p.parse_args(argv)
@@ -147,13 +161,15 @@ def main(argv=None):
         folder = random_qwen_folder(Path(tmp) / "qwen2.5-3b-shaped", args.layers)
         cfg = msgrpo.resolve_defaults(msgrpo.Config(
             model=str(folder), groups=args.groups, group_size=args.group_size, iterations=1,
-            env_options={"max_steps": args.max_steps}, gradient_checkpointing=torch.cuda.is_available(),
+            env_options={"max_steps": args.max_steps},
+            gradient_checkpointing=torch.cuda.is_available(),
             # Random weights give every episode the same return, so AAW would draw none; uniform
             # draws as many episodes (sample_frac of them) as AAW does once returns differ.
             sampling="uniform",
             run_dir=str(Path(tmp) / "run")))
         rows = check(cfg, args.eval_batch)
-    command = "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = ("python benchmarks/gpu_check.py "
+               + " ".join(argv if argv is not None else sys.argv[1:]))
     table = markdown(rows, cfg, args.layers, args.eval_batch, command.strip())
     print(table)
     if args.out:

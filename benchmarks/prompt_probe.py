@@ -29,12 +29,13 @@ import envs  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
 
-EXAMPLES = "Answer with exactly one action word from the action list, inside <action></action>, e.g. "
+EXAMPLES = ("Answer with exactly one action word from the action list, inside <action></action>, "
+            "e.g. ")
 FORMATS = {
     "one example: up": EXAMPLES + "<action>up</action>.",
     "one example: right": EXAMPLES + "<action>right</action>.",
-    "all four examples": EXAMPLES + "<action>left</action>, <action>down</action>, <action>right</action>"
-                                    " or <action>up</action>.",
+    "all four examples": EXAMPLES + "<action>left</action>, <action>down</action>, "
+                                    "<action>right</action> or <action>up</action>.",
     "two examples: down, right (msgrpo.FORMAT_PLAIN)": msgrpo.FORMAT_PLAIN,
 }
 
@@ -43,7 +44,8 @@ def cell_probabilities(model, tokenizer, cfg, states):
     """{(map, cell): (P(first reply token names each move), greedy move or None)} per probe state
     (envs.probe_states), by support.move_probabilities under cfg's prompt."""
     prompts = [msgrpo.lap_prompt_ids(tokenizer, obs, cfg) for _, _, obs in states]
-    probs, greedy = support.move_probabilities(model, tokenizer, prompts, cfg.micro_batch, greedy=True)
+    probs, greedy = support.move_probabilities(model, tokenizer, prompts, cfg.micro_batch,
+                                               greedy=True)
     return {(map_rows, cell): (p, int(move) if move >= 0 else None)
             for (map_rows, cell, _), p, move in zip(states, probs, greedy)}
 
@@ -59,7 +61,8 @@ def success_probability(map_rows, policy, max_steps):
                 new[cell] = values[cell]
                 continue
             p = policy(cell)
-            new[cell] = (sum(p[a] * values[envs.frozen_lake_slide(map_rows, cell, a)] for a in range(4))
+            new[cell] = (sum(p[a] * values[envs.frozen_lake_slide(map_rows, cell, a)]
+                             for a in range(4))
                          + (1 - p.sum()) * values[cell])
         values = new
     return values[envs.cells_with(map_rows, "S")[0]]
@@ -71,7 +74,8 @@ def one_hot(move):
 
 
 def by_neighbour(probabilities, move):
-    """Mean P(move) over the probed cells, grouped by what the move walks onto: ice, hole, goal or edge."""
+    """Mean P(move) over the probed cells, grouped by what the move walks onto: ice, hole, goal or
+    edge."""
     groups = {}
     for (map_rows, cell), (p, _) in probabilities.items():
         groups.setdefault(envs.walks_onto(map_rows, cell, move), []).append(p[move])
@@ -79,8 +83,9 @@ def by_neighbour(probabilities, move):
 
 
 def where_down_is_blocked(probabilities):
-    """Mean P(each move) over the probed cells where down walks into a hole or off the edge, grouped by
-    what right walks onto: {onto: (array of 4 means in envs.FROZEN_LAKE_ACTIONS order, n cells)}."""
+    """Mean P(each move) over the probed cells where down walks into a hole or off the edge,
+    grouped by what right walks onto: {onto: (array of 4 means in envs.FROZEN_LAKE_ACTIONS order,
+    n cells)}."""
     down, right = envs.FROZEN_LAKE_ACTIONS.index("down"), envs.FROZEN_LAKE_ACTIONS.index("right")
     groups = {}
     for (map_rows, cell), (p, _) in probabilities.items():
@@ -91,7 +96,8 @@ def where_down_is_blocked(probabilities):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--maps", type=int, default=16, help="random 4x4 maps (seeds 700, 701, ...)")
+    parser.add_argument("--maps", type=int, default=16,
+                        help="random 4x4 maps (seeds 700, 701, ...)")
     parser.add_argument("--adapter", help="a trained LoRA adapter folder (default: the base model)")
     parser.add_argument("--model", default=msgrpo.CPU_MODEL)
     args = parser.parse_args(argv)
@@ -99,25 +105,32 @@ def main(argv=None):
     model, tokenizer = msgrpo.load_policy(cfg, adapter=args.adapter)
     max_steps = envs.make("frozen_lake").max_steps
     maps = [tuple(envs.make("frozen_lake").reset(seed=700 + i)[1]["map"]) for i in range(args.maps)]
-    states = envs.probe_states(args.maps, 700, **msgrpo.env_options(cfg))  # every open cell of those maps
+    states = envs.probe_states(args.maps, 700,
+                               **msgrpo.env_options(cfg))  # every open cell of those maps
     formats = {"msgrpo.FORMAT_PLAIN": msgrpo.FORMAT_PLAIN} if args.adapter else FORMATS
     print("| format instruction | valid-reply mass | P(success), sampled at T=1 | greedy success |")
     print("| --- | ---: | ---: | ---: |")
     for name, instruction in formats.items():
-        with mock.patch.object(msgrpo, "FORMAT_PLAIN", instruction):  # the trainer's prompt, this instruction
+        # the trainer's prompt, this instruction
+        with mock.patch.object(msgrpo, "FORMAT_PLAIN", instruction):
             probs = cell_probabilities(model, tokenizer, cfg, states)
         valid = np.mean([p.sum() for p, _ in probs.values()])
-        sampled = np.mean([success_probability(m, lambda cell: probs[(m, cell)][0], max_steps) for m in maps])
-        greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]), max_steps)
+        sampled = np.mean([success_probability(m, lambda cell: probs[(m, cell)][0], max_steps)
+                           for m in maps])
+        greedy = np.mean([success_probability(m, lambda cell: one_hot(probs[(m, cell)][1]),
+                                              max_steps)
                           for m in maps])
         print(f"| {name} | {valid:.2f} | {sampled:.3f} | {greedy:.3f} |")
     if args.adapter:
-        print("\n| move | P(move) where it walks onto: ice | hole | goal | edge |\n| --- | ---: | ---: | ---: | ---: |")
+        print("\n| move | P(move) where it walks onto: ice | hole | goal | edge |\n"
+              "| --- | ---: | ---: | ---: | ---: |")
         for move in ("down", "right"):
             means = by_neighbour(probs, envs.FROZEN_LAKE_ACTIONS.index(move))
-            print(f"| {move} | " + " | ".join(f"{means[onto][0]:.2f} (n={means[onto][1]})" if onto in means else "-"
+            print(f"| {move} | " + " | ".join(f"{means[onto][0]:.2f} (n={means[onto][1]})"
+                                              if onto in means else "-"
                                               for onto in ("ice", "hole", "goal", "edge")) + " |")
-        print("\n| where down is blocked, right walks onto | cells | " + " | ".join(envs.FROZEN_LAKE_ACTIONS)
+        print("\n| where down is blocked, right walks onto | cells | "
+              + " | ".join(envs.FROZEN_LAKE_ACTIONS)
               + " |\n| --- | ---: |" + " ---: |" * 4)
         for onto, (means, n) in sorted(where_down_is_blocked(probs).items()):
             print(f"| {onto} | {n} | " + " | ".join(f"{m:.3f}" for m in means) + " |")

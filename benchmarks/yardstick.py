@@ -65,7 +65,8 @@ class State:
 
 
 def label_of(map_rows, position):
-    """The rule, read from the neighbour information only: down unless down is a hole or the edge."""
+    """The rule, read from the neighbour information only: down unless down is a hole or the
+    edge."""
     return "right" if envs.walks_onto(map_rows, position, DOWN) in BLOCKED else "down"
 
 
@@ -111,7 +112,8 @@ def training_states(count, seed, excluded_maps):
     states = balanced_draw(candidates, count, lambda state: state.label == "down")
     if len(states) < count:
         raise ValueError(f"could not draw {count} balanced training states from the training seeds")
-    # Drawn until both halves are full, the tail is all one label: shuffle so every batch mixes both.
+    # Drawn until both halves are full, the tail is all one label: shuffle so every batch mixes
+    # both.
     return [states[i] for i in rng.permutation(len(states))]
 
 
@@ -141,7 +143,8 @@ def balanced_draw(candidates, count, half):
 
 
 def game_wording(map_rows, position, steps_left):
-    """Exactly what the game shows (the neighbour line last), so this row follows the game's wording."""
+    """Exactly what the game shows (the neighbour line last), so this row follows the game's
+    wording."""
     game = envs.make("frozen_lake", map=list(map_rows))
     game.reset(seed=0)
     game.position = tuple(position)
@@ -180,14 +183,17 @@ def steps_line(steps_left):
 
 
 def neighbour_line_first(map_rows, position, steps_left):
-    """The neighbour line right after the goal, before the map: far from where the move is written."""
-    return "\n".join([*header_lines(), goal_line(map_rows, position), neighbour_line(map_rows, position),
+    """The neighbour line right after the goal, before the map: far from where the move is
+    written."""
+    return "\n".join([*header_lines(), goal_line(map_rows, position),
+                      neighbour_line(map_rows, position),
                       *map_lines(map_rows, position), steps_line(steps_left)])
 
 
 def one_line_per_move(map_rows, position, steps_left):
     """Each move next to what it walks onto, as 'move: what' lines at the very end."""
-    return "\n".join([*header_lines(), goal_line(map_rows, position), *map_lines(map_rows, position),
+    return "\n".join([*header_lines(), goal_line(map_rows, position),
+                      *map_lines(map_rows, position),
                       steps_line(steps_left), *move_lines(map_rows, position)])
 
 
@@ -244,16 +250,20 @@ def target_ids(tokenizer, label):
 
 
 def check_targets_start_with_the_move(tokenizer):
-    """Training raises the target's first token and scoring reads the move tokens: they must agree."""
+    """Training raises the target's first token and scoring reads the move tokens: they must
+    agree."""
     first_tokens = support.move_token_ids(tokenizer)
     for label in ("down", "right"):
-        if target_ids(tokenizer, label)[0] not in first_tokens[envs.FROZEN_LAKE_ACTIONS.index(label)]:
-            raise ValueError(f"{label}</action> does not start with a token that scoring counts as {label}")
+        if (target_ids(tokenizer, label)[0]
+                not in first_tokens[envs.FROZEN_LAKE_ACTIONS.index(label)]):
+            raise ValueError(f"{label}</action> does not start with a token that scoring counts "
+                             f"as {label}")
 
 
 def train_step(model, optimizer, tokenizer, cfg, states, wording, grad_clip=1.0):
     """One AdamW step on -mean log-prob of the labelled reply tokens."""
-    steps = [(prompt_ids(tokenizer, cfg, s, wording), target_ids(tokenizer, s.label), 1.0) for s in states]
+    steps = [(prompt_ids(tokenizer, cfg, s, wording), target_ids(tokenizer, s.label), 1.0)
+             for s in states]
     return supervised_step(model, optimizer, tokenizer, steps, grad_clip, cfg.cpu_speedups)
 
 
@@ -266,10 +276,10 @@ def observation_step(model, optimizer, tokenizer, cfg, states, grad_clip=1.0):
 
 
 def supervised_step(model, optimizer, tokenizer, steps, grad_clip=1.0, speedups=False):
-    """One AdamW step on -mean log-prob of the target tokens of steps: (prompt ids, target ids, 1.0),
-    through the trainer's own collate_steps and response_logprobs. speedups (cfg.cpu_speedups):
-    cpu_speedups.collate_steps' batch, which reads the prompt prefix every state shares once and
-    identical steps as one row: the same loss, a fraction of the tokens."""
+    """One AdamW step on -mean log-prob of the target tokens of steps: (prompt ids, target ids,
+    1.0), through the trainer's own collate_steps and response_logprobs. speedups
+    (cfg.cpu_speedups): cpu_speedups.collate_steps' batch, which reads the prompt prefix every state
+    shares once and identical steps as one row: the same loss, a fraction of the tokens."""
     collate = cpu_speedups.collate_steps if speedups else msgrpo.collate_steps
     batch = collate(steps, tokenizer.pad_token_id)
     model.train()
@@ -305,7 +315,8 @@ def run_wording(model, tokenizer, cfg, wording, train, heldout, args):
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr)
     prompt_tokens = float(np.mean([len(prompt_ids(tokenizer, cfg, s, wording)) for s in heldout]))
     return scored_pass(train, args,
-                       lambda: {"wording": wording, **score(model, tokenizer, cfg, heldout, wording),
+                       lambda: {"wording": wording,
+                                **score(model, tokenizer, cfg, heldout, wording),
                                 "prompt_tokens": prompt_tokens},
                        lambda batch: train_step(model, optimizer, tokenizer, cfg, batch, wording),
                        table_row, f"yardstick: {wording}")
@@ -346,30 +357,34 @@ def one_labelled_pass(train, batch_size, eval_every, record, desc, step):
             record(seen)
 
 
-# ---- The table ------------------------------------------------------------------------------------
+# ---- The table -----------------------------------------------------------------------------------
 
-COLUMNS = ("| wording | states seen | accuracy | where blocked (n) | where open | mean P(down) | prompt tokens "
-           "| seconds |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+COLUMNS = ("| wording | states seen | accuracy | where blocked (n) | where open | mean P(down) "
+           "| prompt tokens | seconds |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
-TABLE_NOTE = ("Scored on held-out maps. Accuracy: the most likely first reply token names the rule's move."
-              " Where blocked: states whose down move walks into a hole or the edge (the rule says right),"
-              " n of them; where open: the others, so answering down everywhere scores 1 - n / states."
-              " Seconds: since that wording's training began, scoring included.")
+TABLE_NOTE = ("Scored on held-out maps. Accuracy: the most likely first reply token names the "
+              "rule's move. Where blocked: states whose down move walks into a hole or the edge "
+              "(the rule says right), n of them; where open: the others, so answering down "
+              "everywhere scores 1 - n / states. Seconds: since that wording's training began, "
+              "scoring included.")
 
 
 def table_row(r):
-    return (f"| {r['wording']} | {r['states_seen']} | {r['accuracy']:.3f} | {r['accuracy_blocked']:.3f} "
-            f"({r['blocked']}) | {r['accuracy_open']:.3f} | {r['mean_p_down']:.3f} | {r['prompt_tokens']:.0f} "
+    return (f"| {r['wording']} | {r['states_seen']} | {r['accuracy']:.3f} "
+            f"| {r['accuracy_blocked']:.3f} ({r['blocked']}) | {r['accuracy_open']:.3f} "
+            f"| {r['mean_p_down']:.3f} | {r['prompt_tokens']:.0f} "
             f"| {r['seconds']:.0f} |")
 
 
 def merge_rows(old, new):
-    """Rows of the wordings in `new` replace their old rows; the others are kept. WORDINGS' order."""
+    """Rows of the wordings in `new` replace their old rows; the others are kept. WORDINGS'
+    order."""
     rerun = {r["wording"] for r in new}
     rows = [r for r in old if r["wording"] not in rerun] + new
     order = list(WORDINGS)
-    return sorted(rows, key=lambda r: order.index(r["wording"]) if r["wording"] in order else len(order))
+    return sorted(rows, key=lambda r: (order.index(r["wording"]) if r["wording"] in order
+                                       else len(order)))
 
 
 def write_outputs(out, rows):
@@ -400,9 +415,12 @@ def add_training_flags(parser, eval_every):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--wordings", nargs="+", default=list(WORDINGS), choices=list(WORDINGS), metavar="NAME",
-                        help="wordings to run, quoted: " + ", ".join(f'"{name}"' for name in WORDINGS))
-    parser.add_argument("--states", type=int, default=768, help="training states, half down, half right")
+    parser.add_argument("--wordings", nargs="+", default=list(WORDINGS), choices=list(WORDINGS),
+                        metavar="NAME",
+                        help="wordings to run, quoted: "
+                             + ", ".join(f'"{name}"' for name in WORDINGS))
+    parser.add_argument("--states", type=int, default=768,
+                        help="training states, half down, half right")
     parser.add_argument("--eval-states", type=int, default=240, help="held-out states, natural mix")
     parser.add_argument("--lora-r", type=int, default=8)
     add_training_flags(parser, eval_every=256)
@@ -411,18 +429,20 @@ def main(argv=None):
 
     heldout = heldout_states(args.eval_states)
     train = training_states(args.states, args.seed, {s.map_rows for s in heldout})
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(model=args.model, lora_r=args.lora_r, seed=args.seed,
-                                                run_dir="unused"))
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model=args.model, lora_r=args.lora_r,
+                                                seed=args.seed, run_dir="unused"))
     torch.manual_seed(args.seed)
     model, tokenizer = msgrpo.load_policy(cfg)
     check_targets_start_with_the_move(tokenizer)
     initial_lora = lora_snapshot(model)
-    print(f"held-out: {len(heldout)} states, {sum(s.label == 'right' for s in heldout)} with down blocked")
+    print(f"held-out: {len(heldout)} states, "
+          f"{sum(s.label == 'right' for s in heldout)} with down blocked")
     print(COLUMNS, flush=True)
     rows = []
     for wording in args.wordings:
         restore_lora(model, initial_lora)
-        rows += [{**r, "command": command} for r in run_wording(model, tokenizer, cfg, wording, train, heldout, args)]
+        rows += [{**r, "command": command}
+                 for r in run_wording(model, tokenizer, cfg, wording, train, heldout, args)]
     if args.out:
         write_outputs(args.out, rows)
     return rows

@@ -1,4 +1,5 @@
-"""The harness (`envs.evaluate`) and the random and optimal agents, checked against exact numbers."""
+"""The harness (`envs.evaluate`) and the random and optimal agents, checked against exact
+numbers."""
 
 import json
 
@@ -76,7 +77,8 @@ def test_batched_agent_steps_in_lockstep_and_gives_the_same_numbers():
     batched = envs.evaluate(agent, "frozen_lake", seeds, batch_size=4, slippery=True)
     assert plain == batched
     assert max(agent.batch_sizes) == 4
-    assert sum(agent.batch_sizes) == round(batched["mean_steps"] * len(seeds))  # one call per live step
+    assert sum(agent.batch_sizes) == round(
+        batched["mean_steps"] * len(seeds))  # one call per live step
 
 
 def test_agent_that_never_answers_is_all_invalid():
@@ -155,7 +157,8 @@ def test_snake_rules_on_hand_made_boards():
     import random
     rng = random.Random(0)
     up, right, down, left = range(4)
-    # Head in the top right corner heading up: up and right are walls, down the neck; only left lives.
+    # Head in the top right corner heading up: up and right are walls, down the neck; only left
+    # lives.
     corner = snake_state([(0, 5), (1, 5), (2, 5)], "up")
     assert baselines.snake_safe_moves(corner) == [left]
     for rule in baselines.SNAKE_RULES.values():

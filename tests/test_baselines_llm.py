@@ -56,13 +56,15 @@ def tiny_adapter(tmp_path_factory):
     model.save_pretrained(run / "adapter")
     config = {**dataclasses.asdict(cfg), "max_new_tokens": 5, "a_key_from_a_newer_msgrpo": 1}
     (run / "config.json").write_text(json.dumps(config))
-    return run / "adapter", {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    return run / "adapter", {n: p.detach().clone() for n, p in model.named_parameters()
+                             if "lora_B" in n}
 
 
 def test_local_agent_plays_an_adapter_with_its_training_settings(tiny_adapter):
     path, saved = tiny_adapter
     agent = baselines.LLMAgent(adapter=path)
-    assert agent.cfg.model == "tiny" and agent.cfg.max_new_tokens == 5 and agent.cfg.quantize is False
+    assert (agent.cfg.model == "tiny" and agent.cfg.max_new_tokens == 5
+            and agent.cfg.quantize is False)
     loaded = {n: p for n, p in agent.lap.model.named_parameters() if "lora_B" in n}
     assert loaded.keys() == saved.keys()
     assert all(torch.equal(loaded[n], saved[n]) for n in saved)
@@ -94,7 +96,8 @@ def test_an_adapter_that_does_not_load_stops_with_one_line(tiny_adapter, tmp_pat
 
 def reply(content):
     return {"id": "x", "object": "chat.completion", "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]}
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}]}
 
 
 class Misbehaving(BaseHTTPRequestHandler):
@@ -112,12 +115,14 @@ class Misbehaving(BaseHTTPRequestHandler):
         if mode == "hang_up":
             self.close_connection = True
             return  # no status line at all
-        if mode == "error" or (mode == "flaky" and len([h for h in self.hits if h[0] == "flaky"]) % 2 == 1):
+        if mode == "error" or (mode == "flaky"
+                               and len([h for h in self.hits if h[0] == "flaky"]) % 2 == 1):
             return self.send(500, b'{"error": "overloaded"}')
         if mode == "bad_request":
             return self.send(400, b'{"error": "no such model"}')
         payload = {"garbage": b"<html>not json", "no_choices": json.dumps({"error": "?"}).encode(),
-                   "null_content": json.dumps(reply(None)).encode()}.get(mode, json.dumps(reply("right")).encode())
+                   "null_content": json.dumps(reply(None)).encode()}.get(
+                       mode, json.dumps(reply("right")).encode())
         self.send(200, payload)
 
     def send(self, status, payload):
@@ -140,13 +145,16 @@ def bad_server(serve):
 
 
 def server_agent(url, mode, **options):
-    return baselines.ChatServerAgent(f"{url}/{mode}/v1", "m", timeout=0.3, retries=1, backoff=0.0, **options)
+    return baselines.ChatServerAgent(f"{url}/{mode}/v1", "m", timeout=0.3, retries=1, backoff=0.0,
+                                     **options)
 
 
 @pytest.mark.parametrize("mode, error", [
-    ("slow", "TimeoutError"), ("error", "HTTP 500"), ("bad_request", "RequestFailed"), ("garbage", "JSONDecodeError"),
-    ("no_choices", "KeyError"), ("null_content", "TypeError"), ("hang_up", "RemoteDisconnected")])
-def test_a_failing_server_gives_counted_invalid_actions_and_loses_no_episode(bad_server, mode, error):
+    ("slow", "TimeoutError"), ("error", "HTTP 500"), ("bad_request", "RequestFailed"),
+    ("garbage", "JSONDecodeError"), ("no_choices", "KeyError"), ("null_content", "TypeError"),
+    ("hang_up", "RemoteDisconnected")])
+def test_a_failing_server_gives_counted_invalid_actions_and_loses_no_episode(bad_server, mode,
+                                                                            error):
     agent = server_agent(bad_server, mode)
     result = envs.evaluate(agent, "frozen_lake", envs.heldout_seeds(3), map="classic", max_steps=2)
     assert result["episodes"] == 3 and result["mean_steps"] == 2
@@ -184,7 +192,7 @@ def test_request_carries_the_lap_messages_and_the_key_from_the_environment(bad_s
     assert Misbehaving.hits[-1][1]["Authorization"] == "Bearer sk-test"
 
 
-# --- chat servers: a real OpenAI-compatible server --------------------------------------------------
+# --- chat servers: a real OpenAI-compatible server ------------------------------------------------
 
 
 def free_port():
@@ -198,10 +206,11 @@ def transformers_server(tmp_path_factory):
     """`transformers serve` (transformers' own OpenAI-compatible server) on the bundled SmolLM2."""
     folder, port = support.model_path("smollm2-135m"), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [str(Path(sys.executable).parent / "transformers"), "serve", folder, "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+    command = [str(Path(sys.executable).parent / "transformers"), "serve", folder,
+               "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"]
     with open(log, "w") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                  env=os.environ.copy())
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.time() + 300
@@ -238,28 +247,33 @@ def test_a_real_openai_compatible_server_plays_a_full_frozen_lake_evaluation(tra
     assert all(isinstance(a, str) and a for a in answers)
 
 
-# --- the comparison -----------------------------------------------------------------------------------
+# --- the comparison -------------------------------------------------------------------------------
 
 
 def test_compare_writes_both_files_and_reports_what_it_skipped(tmp_path, tiny_adapter, capsys):
     runs, out = tmp_path / "runs", tmp_path / "results"
-    baselines.main(["--env", "frozen_lake", "--agent", "dqn", "--train-steps", "200", "--episodes", "1",
-                    "--runs", str(runs)])
+    baselines.main(["--env", "frozen_lake", "--agent", "dqn", "--train-steps", "200",
+                    "--episodes", "1", "--runs", str(runs)])
     adapter, _ = tiny_adapter
     report = compare.main(["--episodes", "3", "--games", "frozen_lake,snake", "--runs", str(runs),
-                             "--out", str(out), "--llm-model", "tiny", "--adapter", f"trained={adapter}",
+                             "--out", str(out), "--llm-model", "tiny",
+                             "--adapter", f"trained={adapter}",
                              "--adapter", "ghost=/nowhere/adapter"])
     rules = set(baselines.SNAKE_RULES)
-    assert set(report["results"]) == {"random", "optimal", "dqn", "tiny zero-shot", "trained", *rules}
+    assert set(report["results"]) == {"random", "optimal", "dqn", "tiny zero-shot", "trained",
+                                      *rules}
     assert set(report["results"]["dqn"]) == {"frozen_lake"}  # no snake DQN was trained
-    assert all(set(report["results"][rule]) == {"snake"} for rule in rules)  # they read Snake's board
+    assert all(set(report["results"][rule]) == {"snake"}
+               for rule in rules)  # they read Snake's board
     skipped = {(s["agent"], s["game"]) for s in report["skipped"]}
-    assert skipped == {("dqn", "snake"), ("ghost", "all"), *((rule, "frozen_lake") for rule in rules)}
+    assert skipped == {("dqn", "snake"), ("ghost", "all"),
+                       *((rule, "frozen_lake") for rule in rules)}
     assert report["results"]["optimal"]["frozen_lake"]["fraction_of_optimum"] == 1.0
     assert report["games"]["frozen_lake"]["optimum"] == 1.0
     assert json.loads((out / "comparison.json").read_text()) == report
     table = (out / "comparison.md").read_text()
-    for row in ["| random |", "| optimal |", "| dqn |", "| tiny zero-shot |", "| trained |", "ghost", "Skipped"]:
+    for row in ["| random |", "| optimal |", "| dqn |", "| tiny zero-shot |", "| trained |",
+                "ghost", "Skipped"]:
         assert row in table
     assert "skipped ghost" in capsys.readouterr().out
 
@@ -280,7 +294,8 @@ def test_compare_again_updates_its_cells_and_keeps_the_others(tmp_path):
     assert second["results"]["random"] == first["results"]["random"]
     assert set(second["results"]["optimal"]) == {"frozen_lake", "snake"}
     assert set(second["games"]) == {"frozen_lake", "snake"}
-    other_seeds = ["--episodes", "3", "--agents", "optimal", "--games", "snake", "--out", str(tmp_path)]
+    other_seeds = ["--episodes", "3", "--agents", "optimal", "--games", "snake",
+                   "--out", str(tmp_path)]
     saved = (tmp_path / "comparison.json").read_text()
     with pytest.raises(SystemExit, match="3 result cells .* --replace"):
         compare.main(other_seeds)  # different seeds: a fresh table of 1 cell would replace 3
@@ -290,9 +305,12 @@ def test_compare_again_updates_its_cells_and_keeps_the_others(tmp_path):
 
 @pytest.mark.parametrize("argv, named", [(["--games", "chess"], "chess"),
                                          (["--agents", "random,alphazero"], "alphazero")])
-def test_compare_rejects_an_unknown_game_or_agent_in_one_line_naming_the_valid_ones(argv, named, tmp_path):
-    result = subprocess.run([sys.executable, str(Path(compare.__file__)), *argv, "--out", str(tmp_path)],
+def test_compare_rejects_an_unknown_game_or_agent_in_one_line_naming_the_valid_ones(
+        argv, named, tmp_path):
+    result = subprocess.run([sys.executable, str(Path(compare.__file__)), *argv,
+                             "--out", str(tmp_path)],
                             capture_output=True, text=True)
     assert result.returncode != 0 and not list(tmp_path.iterdir())
     [line] = result.stderr.strip().splitlines()  # one line, no traceback
-    assert named in line and ("snake_poison_apple" in line if named == "chess" else "optimal, dqn" in line)
+    assert named in line and ("snake_poison_apple" in line if named == "chess"
+                              else "optimal, dqn" in line)

@@ -22,8 +22,9 @@ import envs  # noqa: E402
 def run_row(sampling, seed, wins, episodes, minutes, tokens):
     result = {"episodes": episodes, "success_rate": wins / episodes,
               "success_ci95": list(envs.wilson_interval(wins, episodes)), "invalid_rate": 0.0}
-    return {"sampling": sampling, "seed": seed, "think": False, "iterations": 12, "train_minutes": minutes,
-            "env_steps": tokens // 10, "tokens_trained": tokens, "train_tokens_per_second": tokens / minutes / 60,
+    return {"sampling": sampling, "seed": seed, "think": False, "iterations": 12,
+            "train_minutes": minutes, "env_steps": tokens // 10, "tokens_trained": tokens,
+            "train_tokens_per_second": tokens / minutes / 60,
             "greedy": result, "sampled": result}
 
 
@@ -32,14 +33,18 @@ def test_seeds_pool_their_episodes():
             run_row("all", 0, 5, 100, 30.0, 9000)]
     text = ablation.table(rows, "sampling", ["aaw", "uniform", "all"])
     lo, hi = envs.wilson_interval(40, 150)
-    assert f"| **aaw, seeds pooled** | 2 | {40 / 150:.3f} [{lo:.3f}, {hi:.3f}]" in text  # not (0.3 + 0.2) / 2
-    assert "| 15.0 | 200 | 2,000 | 2 |" in text  # means over the seeds: minutes, steps, tokens, tokens/s (1.7, 2.5)
-    assert "all, seeds pooled" not in text and "uniform" not in text  # one seed: no pooled row; none: no row
+    assert (f"| **aaw, seeds pooled** | 2 | {40 / 150:.3f} [{lo:.3f}, {hi:.3f}]"
+            in text)  # not (0.3 + 0.2) / 2
+    # means over the seeds: minutes, steps, tokens, tokens/s (1.7, 2.5)
+    assert "| 15.0 | 200 | 2,000 | 2 |" in text
+    # one seed: no pooled row; none: no row
+    assert "all, seeds pooled" not in text and "uniform" not in text
     assert text.count("\n") == 2 + 3 + 1 - 1
 
 
 def test_a_fixed_route_wins_the_maps_where_it_is_hole_free():
-    assert fixed_routes.route_cells("RRRDDD") == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3), (3, 3)]
+    assert fixed_routes.route_cells("RRRDDD") == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3), (2, 3),
+                                                  (3, 3)]
     clear = ["SFFF", "HHHF", "FFFF", "FFFG"]  # the top row and right column are ice
     blocked = ["SFFH", "FFFF", "FFFF", "FFFG"]
     assert fixed_routes.clear_fraction("RRRDDD", [clear, blocked]) == 0.5
@@ -72,39 +77,47 @@ def test_played_as_an_agent_the_neighbour_rule_wins_its_own_maps_and_no_others(t
         envs.make("frozen_lake").reset(seed=int(seed))[1]["map"], "down", "right")]
     table = fixed_routes.against_the_rule(result["won_seeds"], seeds)
     assert table["policy_wins_those"] == table["policy_loses_those"] == 0
-    assert table["rule_wins"] == len(result["won_seeds"]) and table["rule_loses"] == 40 - table["rule_wins"] > 0
+    assert (table["rule_wins"] == len(result["won_seeds"])
+            and table["rule_loses"] == 40 - table["rule_wins"] > 0)
     everything = fixed_routes.against_the_rule(seeds, seeds)  # a policy that wins every map
     assert everything["policy_wins_those"] == table["rule_loses"]
 
 
 def test_a_rule_that_reads_only_below_it_still_walks_right_into_holes_on_the_probe():
     # ("down", "right") plays right wherever down is blocked, whatever lies to the right; the rule
-    # that falls back to left and up as well never walks into a hole it is shown, if it has another move.
-    assert envs.rule_move(["SH", "FG"], (0, 0), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("down")
+    # that falls back to left and up as well never walks into a hole it is shown, if it has another
+    # move.
+    assert (envs.rule_move(["SH", "FG"], (0, 0), ("down", "right"))
+            == envs.FROZEN_LAKE_ACTIONS.index("down"))
     cornered = ["FSH", "FHG"]  # at S both down and right walk into a hole
-    assert envs.rule_move(cornered, (0, 1), ("down", "right")) == envs.FROZEN_LAKE_ACTIONS.index("right")
+    assert (envs.rule_move(cornered, (0, 1), ("down", "right"))
+            == envs.FROZEN_LAKE_ACTIONS.index("right"))
     assert envs.rule_move(cornered, (0, 1), ("down", "right", "left", "up")) == 0  # left
-    down_only, both = (fixed_routes.rule_on_the_probe(rule) for rule in (("down", "right"), fixed_routes.RULES[-1]))
+    down_only, both = (fixed_routes.rule_on_the_probe(rule)
+                       for rule in (("down", "right"), fixed_routes.RULES[-1]))
     assert down_only["probe_down_hole"] == 0 and down_only["probe_right_hole"] > 0
     assert both["probe_down_hole"] == both["probe_right_hole"] == 0
-    assert down_only["probe_right_ice"] == both["probe_right_ice"]  # where right is ice the two agree
+    # where right is ice the two agree
+    assert down_only["probe_right_ice"] == both["probe_right_ice"]
 
 
 def test_the_probe_groups_a_moves_probability_by_what_it_walks_onto():
     map_rows = ("SF", "HG")
     down, right = envs.FROZEN_LAKE_ACTIONS.index("down"), envs.FROZEN_LAKE_ACTIONS.index("right")
-    probabilities = {(map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.0]), None),  # down: hole, right: ice
-                     (map_rows, (0, 1)): (np.array([0.0, 0.6, 0.2, 0.1]), None)}  # down: goal, right: edge
+    probabilities = {
+        (map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.0]), None),  # down: hole, right: ice
+        (map_rows, (0, 1)): (np.array([0.0, 0.6, 0.2, 0.1]), None)}  # down: goal, right: edge
     assert prompt_probe.by_neighbour(probabilities, down) == {"hole": (0.2, 1), "goal": (0.6, 1)}
     assert prompt_probe.by_neighbour(probabilities, right) == {"ice": (0.3, 1), "edge": (0.2, 1)}
 
 
 def test_the_probe_shows_every_move_where_down_is_blocked():
     map_rows = ("SFF", "HFH", "FFG")
-    probabilities = {(map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.4]), None),  # down: hole, right: ice
-                     (map_rows, (1, 1)): (np.array([0.0, 0.5, 0.5, 0.0]), None),  # down: ice, so left out
-                     (map_rows, (2, 0)): (np.array([0.3, 0.2, 0.5, 0.0]), None),  # down: edge, right: ice
-                     (map_rows, (2, 1)): (np.array([0.0, 0.0, 1.0, 0.0]), None)}  # down: edge, right: goal
+    probabilities = {
+        (map_rows, (0, 0)): (np.array([0.1, 0.2, 0.3, 0.4]), None),  # down: hole, right: ice
+        (map_rows, (1, 1)): (np.array([0.0, 0.5, 0.5, 0.0]), None),  # down: ice, so left out
+        (map_rows, (2, 0)): (np.array([0.3, 0.2, 0.5, 0.0]), None),  # down: edge, right: ice
+        (map_rows, (2, 1)): (np.array([0.0, 0.0, 1.0, 0.0]), None)}  # down: edge, right: goal
     blocked = prompt_probe.where_down_is_blocked(probabilities)
     assert sorted(blocked) == ["goal", "ice"]
     assert blocked["ice"][1] == 2 and np.allclose(blocked["ice"][0], [0.2, 0.2, 0.4, 0.2])
@@ -112,12 +125,14 @@ def test_the_probe_shows_every_move_where_down_is_blocked():
 
 
 def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
-    args = ["algo", "msgrpo", "--seeds", "0", "--model", "tiny", "--iterations", "1", "--greedy-episodes", "2",
-            "--sampled-episodes", "3", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    args = ["algo", "msgrpo", "--seeds", "0", "--model", "tiny", "--iterations", "1",
+            "--greedy-episodes", "2", "--sampled-episodes", "3", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out")]
     ablation.main(args)
     kept = tmp_path / "out" / "msgrpo-s0"
     evals = json.loads((kept / "eval.json").read_text())
-    assert evals[-1]["iteration"] == 1 and evals[-1]["episodes"] == 2 and evals[-1]["sampled"]["episodes"] == 3
+    assert (evals[-1]["iteration"] == 1 and evals[-1]["episodes"] == 2
+            and evals[-1]["sampled"]["episodes"] == 3)
     assert len((kept / "metrics.jsonl").read_text().splitlines()) == 1
     assert "| msgrpo | 0 |" in (tmp_path / "out" / "ablation.md").read_text()
     rows = json.loads((tmp_path / "out" / "ablation.json").read_text())
@@ -132,7 +147,8 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
     ablation.main(args)  # trained and evaluated already: nothing is redone
     assert {p: p.stat().st_mtime_ns for p in run_files if p.is_file()} == before
 
-    # A run of another value kept from an earlier command stays in the table, after the values named now.
+    # A run of another value kept from an earlier command stays in the table, after the values named
+    # now.
     other = tmp_path / "out" / "poad-s0"
     shutil.copytree(kept, other)
     config = json.loads((other / "config.json").read_text())
@@ -144,19 +160,22 @@ def test_ablation_trains_evaluates_and_reuses_its_runs(tmp_path):
 
 def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch):
     trained_configs = []
-    monkeypatch.setattr(ablation.baselines, "train_poad", lambda cfg, resume: trained_configs.append(cfg))
+    monkeypatch.setattr(ablation.baselines, "train_poad",
+                        lambda cfg, resume: trained_configs.append(cfg))
     args = argparse.Namespace(model="tiny", iterations=1, think=True)
     run_dir = ablation.train_run("algo", "poad", 3, tmp_path, args)
     assert run_dir == tmp_path / "poad-think-s3"
     [cfg] = trained_configs
-    assert (cfg.algo, cfg.seed, cfg.think, cfg.max_new_tokens, cfg.run_dir) == ("poad", 3, True, 256, str(run_dir))
+    assert ((cfg.algo, cfg.seed, cfg.think, cfg.max_new_tokens, cfg.run_dir)
+            == ("poad", 3, True, 256, str(run_dir)))
 
 
 def test_yardstick_states_follow_the_neighbour_rule_are_balanced_and_on_unseen_maps():
     heldout = yardstick.heldout_states(60)
     train = yardstick.training_states(40, 0, {s.map_rows for s in heldout})
     assert [s.label for s in train].count("down") == [s.label for s in train].count("right") == 20
-    assert {s.label for s in train[:20]} == {"down", "right"}  # shuffled, not one label after the other
+    # shuffled, not one label after the other
+    assert {s.label for s in train[:20]} == {"down", "right"}
     assert {s.label for s in heldout} == {"down", "right"}
     down = envs.FROZEN_LAKE_ACTIONS.index("down")
     for s in train + heldout:
@@ -168,15 +187,18 @@ def test_yardstick_states_follow_the_neighbour_rule_are_balanced_and_on_unseen_m
 
 
 def test_every_yardstick_wording_says_what_each_move_walks_onto():
-    map_rows, position = ("SFFF", "FHFH", "FFFH", "HFFG"), (0, 1)  # left ice, down hole, right ice, up edge
+    # left ice, down hole, right ice, up edge
+    map_rows, position = ("SFFF", "FHFH", "FFFH", "HFFG"), (0, 1)
     game = envs.make("frozen_lake", map=list(map_rows))
     game.reset(seed=0)
     game.position, game.steps = position, 4
-    assert yardstick.WORDINGS["neighbour line last (the game)"](map_rows, position, 12) == game.observation()
+    assert (yardstick.WORDINGS["neighbour line last (the game)"](map_rows, position, 12)
+            == game.observation())
     game_lines = game.observation().splitlines()
     legend = next(i for i, line in enumerate(game_lines) if line.startswith("Map"))
     map_lines = game_lines[legend:legend + 1 + len(map_rows)]
-    shared = [line for line in game_lines if not line.startswith("Next to you") and line not in map_lines]
+    shared = [line for line in game_lines
+              if not line.startswith("Next to you") and line not in map_lines]
     for name, wording in yardstick.WORDINGS.items():
         text = wording(map_rows, position, 12)
         lines = text.splitlines()
@@ -188,7 +210,8 @@ def test_every_yardstick_wording_says_what_each_move_walks_onto():
         assert "Steps left: 12." in lines
     assert game.observation().endswith("Next to you: left ice, down hole, right ice, up edge.")
     first = yardstick.WORDINGS["neighbour line first"](map_rows, position, 12).splitlines()
-    assert first[3] == "Next to you: left ice, down hole, right ice, up edge." and first[-1] == "Steps left: 12."
+    assert (first[3] == "Next to you: left ice, down hole, right ice, up edge."
+            and first[-1] == "Steps left: 12.")
     assert yardstick.WORDINGS["one line per move"](map_rows, position, 12).endswith(
         "Steps left: 12.\nleft: ice\ndown: hole\nright: ice\nup: edge")
 
@@ -221,14 +244,16 @@ def test_snake_yardstick_trains_and_writes_its_table(tmp_path):
     rows = yardstick_snake.main(["--model", "tiny", "--states", "32", "--eval-states", "16",
                                  "--eval-every", "16", "--out", tmp_path])
     assert [r["states_seen"] for r in rows] == [0, 16, 32]
-    assert all(0 <= r[key] <= 1 for r in rows for key in ("safe", "safe_straight_deadly",
-                                                          "safe_straight_open", "unsafe_probability"))
+    assert all(0 <= r[key] <= 1 for r in rows
+               for key in ("safe", "safe_straight_deadly", "safe_straight_open",
+                           "unsafe_probability"))
     text = (tmp_path / "yardstick.md").read_text()
     assert "| 32 |" in text and "python benchmarks/yardstick_snake.py --model tiny" in text
 
 
 def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp_path):
-    yardstick.main(["--model", "tiny", "--states", "32", "--eval-states", "16", "--eval-every", "16",
+    yardstick.main(["--model", "tiny", "--states", "32", "--eval-states", "16",
+                    "--eval-every", "16",
                     "--wordings", "neighbour line first", "one line per move", "--out", tmp_path])
     rows = json.loads((tmp_path / "yardstick.json").read_text())["rows"]
     assert [(r["wording"], r["states_seen"]) for r in rows] == [
@@ -236,25 +261,30 @@ def test_yardstick_trains_each_wording_and_rerun_wordings_replace_their_rows(tmp
         ("one line per move", 0), ("one line per move", 16), ("one line per move", 32)]
     for r in rows:
         assert r["states"] == 16 and 0 < r["blocked"] < 16 and r["prompt_tokens"] > 0
-        assert all(0 <= r[key] <= 1 for key in ("accuracy", "accuracy_blocked", "accuracy_open", "mean_p_down"))
+        assert all(0 <= r[key] <= 1
+                   for key in ("accuracy", "accuracy_blocked", "accuracy_open", "mean_p_down"))
     text = (tmp_path / "yardstick.md").read_text()
     assert "| neighbour line first | 32 |" in text and "| one line per move | 32 |" in text
     assert "python benchmarks/yardstick.py --model tiny" in text
 
-    rerun = {**rows[0], "accuracy": 0.5, "command": "python benchmarks/yardstick.py --wordings 'neighbour line first'"}
-    yardstick.write_outputs(tmp_path, [rerun])  # that wording again: its rows go, the other wording's stay
+    rerun = {**rows[0], "accuracy": 0.5,
+             "command": "python benchmarks/yardstick.py --wordings 'neighbour line first'"}
+    # that wording again: its rows go, the other wording's stay
+    yardstick.write_outputs(tmp_path, [rerun])
     rows = json.loads((tmp_path / "yardstick.json").read_text())["rows"]
     assert [(r["wording"], r["states_seen"]) for r in rows] == [
-        ("neighbour line first", 0), ("one line per move", 0), ("one line per move", 16), ("one line per move", 32)]
+        ("neighbour line first", 0), ("one line per move", 0), ("one line per move", 16),
+        ("one line per move", 32)]
     text = (tmp_path / "yardstick.md").read_text()
-    assert "| neighbour line first | 0 | 0.500 |" in text and text.count("    python benchmarks/yardstick.py") == 2
+    assert ("| neighbour line first | 0 | 0.500 |" in text
+            and text.count("    python benchmarks/yardstick.py") == 2)
 
 
 def test_detour_yardstick_labels_start_shortest_paths_and_half_need_a_detour():
     import yardstick_detour
 
-    # SFF / FFF / FHG from (1, 0): the rule goes down, into the pocket (2, 0) whose only way on is the
-    # hole; right, right, down is the shortest way. From (0, 1) down is on a shortest path.
+    # SFF / FFF / FHG from (1, 0): the rule goes down, into the pocket (2, 0) whose only way on is
+    # the hole; right, right, down is the shortest way. From (0, 1) down is on a shortest path.
     pocket = ("SFF", "FFF", "FHG")
     right, down = (envs.FROZEN_LAKE_ACTIONS.index(move) for move in ("right", "down"))
     assert yardstick_detour.shortest_path_moves(pocket, (1, 0)) == {right}
@@ -266,7 +296,8 @@ def test_detour_yardstick_labels_start_shortest_paths_and_half_need_a_detour():
     assert not train_maps & heldout_maps
     for s in train + heldout:
         assert envs.FROZEN_LAKE_ACTIONS.index(s.label) in s.optimal
-        assert s.detour == (s.rule_move not in s.optimal) and s.observation.startswith("Frozen Lake")
+        assert (s.detour == (s.rule_move not in s.optimal)
+                and s.observation.startswith("Frozen Lake"))
     rows = yardstick_detour.main(["--model", "tiny", "--states", "32", "--eval-states", "16",
                                   "--eval-every", "16"])
     assert [r["states_seen"] for r in rows] == [0, 16, 32] and rows[0]["detours"] == 8
@@ -274,7 +305,8 @@ def test_detour_yardstick_labels_start_shortest_paths_and_half_need_a_detour():
     assert rules["down unless hole or edge, else right"][0] == 0  # by definition of a detour
     assert rules["down unless hole or edge, else right"][1] == 1
     assert all(0 <= r[key] <= 1 for r in rows
-               for key in ("optimal", "optimal_detour", "optimal_beyond_rules", "optimal_elsewhere"))
+               for key in ("optimal", "optimal_detour", "optimal_beyond_rules",
+                           "optimal_elsewhere"))
     assert 0 < rows[0]["beyond_rules"] < rows[0]["detours"]
 
 
@@ -309,8 +341,8 @@ def test_gpu_check_runs_one_iteration_of_a_qwen_shaped_model_and_writes_its_tabl
     import gpu_check
 
     out = tmp_path / "gpu.md"
-    rows = gpu_check.main(["--layers", "1", "--groups", "1", "--group-size", "2", "--max-steps", "1",
-                           "--eval-batch", "2", "--out", str(out)])
+    rows = gpu_check.main(["--layers", "1", "--groups", "1", "--group-size", "2",
+                           "--max-steps", "1", "--eval-batch", "2", "--out", str(out)])
     table = out.read_text()
     for phase in ["load", "rollout", "update", "evaluation"]:
         assert f"| {phase} |" in table, phase

@@ -36,13 +36,15 @@ def stopped(argv, main=msgrpo.main):
 @pytest.mark.parametrize("argv, named", [
     (["--iterations", "-1"], "--iterations"), (["--group-size", "1"], "--group-size"),
     (["--temperature", "-1"], "--temperature"), (["--temperature", "0"], "--temperature"),
-    (["--temperature", "nan"], "--temperature"), (["--groups", "0"], "--groups"), (["--lr", "nan"], "--lr"),
-    (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"), (["--invalid-penalty", "nan"], "--invalid-penalty"),
+    (["--temperature", "nan"], "--temperature"), (["--groups", "0"], "--groups"),
+    (["--lr", "nan"], "--lr"), (["--lr", "inf"], "--lr"), (["--lr", "0"], "--lr"),
+    (["--invalid-penalty", "nan"], "--invalid-penalty"),
     (["--invalid-penalty=-inf"], "--invalid-penalty"),
     (["--invalid-penalty=-1e308"], "--invalid-penalty"),
     (["--env-opt", "size=abc"], "size"),
-    (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"), (["--env-opt", "colour=red"], "colour"),
-    (["--env-opt", "slippery=maybe"], "slippery"), (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
+    (["--env-opt", "size=0"], "size"), (["--env-opt", "size=-3"], "size"),
+    (["--env-opt", "colour=red"], "colour"), (["--env-opt", "slippery=maybe"], "slippery"),
+    (["--env", "snake", "--env-opt", "opponent=2"], "opponent"),
     (["--env-opt", "map=SFX,FFG"], "map"), (["--env-opt", "start=corner"], "start"),
     (["--seed", "-1"], "--seed"), (["--seed", "18446744073709551616"], "--seed"),
     (["--lr", "1e39"], "--lr is 1e+39; it must be above 0 and at most 1"),
@@ -67,13 +69,17 @@ def test_a_start_game_option_warns_that_evaluation_starts_there_too(tmp_path, ca
 
 
 def test_training_starts_are_checked_and_old_runs_keep_theirs(tmp_path):
-    with pytest.raises(SystemExit, match="--training-start is corner; for frozen_lake it must be one of S, ice"):
+    with pytest.raises(SystemExit, match="--training-start is corner; for frozen_lake it must be "
+                                         "one of S, ice"):
         validate(training_start="corner", run_dir=str(tmp_path))
     with pytest.raises(SystemExit, match="for snake it must be one of standard, facing_wall"):
         validate(env="snake", training_start="beside_hole", run_dir=str(tmp_path))
-    for exploring, start in ((True, "beside_hole"), (False, "S")):  # config.json before starts had names
-        (tmp_path / "config.json").write_text(json.dumps({"env": "frozen_lake", "exploring_starts": exploring}))
-        assert support.load_config(tmp_path, msgrpo.Config, msgrpo.resolve_defaults).training_start == start
+    # config.json before starts had names
+    for exploring, start in ((True, "beside_hole"), (False, "S")):
+        (tmp_path / "config.json").write_text(json.dumps({"env": "frozen_lake",
+                                                          "exploring_starts": exploring}))
+        assert support.load_config(tmp_path, msgrpo.Config,
+                                   msgrpo.resolve_defaults).training_start == start
 
 
 def test_a_run_dir_that_is_a_file_is_refused(tmp_path):
@@ -86,7 +92,8 @@ def saved_run(tmp_path):
     """A run folder as training leaves it after 2 iterations (no model needed to read it)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", iterations=2, env_options={"max_steps": 8},
+    cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", iterations=2,
+                                                env_options={"max_steps": 8},
                                                 run_dir=str(run_dir)))
     support.save_json(run_dir / "config.json", msgrpo.dataclasses.asdict(cfg))
     torch.save({"iteration": 2, "optimizer": {}, "lora": {}}, run_dir / "checkpoint.pt")
@@ -254,13 +261,16 @@ def test_resume_refuses_fewer_iterations_than_trained_and_a_missing_checkpoint(s
 
 
 def test_an_older_checkpoint_without_its_adapter_names_the_folder(saved_run):
-    torch.save({"iteration": 2, "optimizer": {}, "numpy_rng": None, "torch_rng": None}, saved_run / "checkpoint.pt")
+    torch.save({"iteration": 2, "optimizer": {}, "numpy_rng": None, "torch_rng": None},
+               saved_run / "checkpoint.pt")
     assert str(saved_run / "adapter") in stopped(["--resume", str(saved_run)])
 
 
 def test_resume_adds_game_options_to_the_saved_ones(saved_run):
-    args = msgrpo.build_parser().parse_args(["--resume", str(saved_run), "--env-opt", "slippery=true"])
-    cfg, resume = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
+    args = msgrpo.build_parser().parse_args(["--resume", str(saved_run),
+                                             "--env-opt", "slippery=true"])
+    cfg, resume = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults,
+                                           msgrpo.env_options)
     assert resume and cfg.env_options == {"max_steps": 8, "slippery": True}
     assert "size" in stopped(["--resume", str(saved_run), "--env-opt", "size=0"])
 

@@ -48,7 +48,8 @@ def test_replay_buffer_overwrites_the_oldest_first():
 
 
 def test_epsilon_falls_linearly_then_stays():
-    cfg = baselines.DQNConfig(train_steps=1000, start_epsilon=1.0, end_epsilon=0.1, exploration_fraction=0.5)
+    cfg = baselines.DQNConfig(train_steps=1000, start_epsilon=1.0, end_epsilon=0.1,
+                              exploration_fraction=0.5)
     assert baselines.linear_epsilon(0, cfg) == 1.0
     assert baselines.linear_epsilon(250, cfg) == pytest.approx(0.55)
     assert baselines.linear_epsilon(500, cfg) == pytest.approx(0.1)
@@ -56,7 +57,8 @@ def test_epsilon_falls_linearly_then_stays():
 
 
 def test_td_target_stops_at_real_ends_only():
-    """y = r + gamma * (1 - terminated) * max Q_target(s'): a terminal step's target is its reward."""
+    """y = r + gamma * (1 - terminated) * max Q_target(s'): a terminal step's target is its
+    reward."""
     torch.manual_seed(0)
     q = baselines.q_network(2, 2, 8)
     target = baselines.q_network(2, 2, 8)
@@ -67,7 +69,8 @@ def test_td_target_stops_at_real_ends_only():
                 layer.bias.fill_(0.0)
         target[-1].bias.copy_(torch.tensor([0.5, 2.0]))  # Q_target = (0.5, 2.0) everywhere
     states = torch.zeros(2, 2)
-    batch = (states, torch.tensor([0, 1]), torch.tensor([1.0, 0.0]), states, torch.tensor([1.0, 0.0]))
+    batch = (states, torch.tensor([0, 1]), torch.tensor([1.0, 0.0]), states,
+             torch.tensor([1.0, 0.0]))
     q_before = q(states).gather(1, batch[1][:, None]).squeeze(1).detach()
     optimizer = torch.optim.SGD(q.parameters(), lr=0.0)  # lr 0: read the loss, change nothing
     loss = baselines.td_update(q, target, optimizer, batch, gamma=0.5)
@@ -83,7 +86,8 @@ def test_default_discount_depends_on_the_ice():
 
 
 def small_run(seed):
-    cfg = baselines.DQNConfig(env="frozen_lake", train_steps=600, learning_starts=100, hidden=32, seed=seed)
+    cfg = baselines.DQNConfig(env="frozen_lake", train_steps=600, learning_starts=100, hidden=32,
+                              seed=seed)
     return baselines.train_dqn(cfg, progress=False)
 
 
@@ -112,8 +116,8 @@ def test_dqn_agent_answers_in_the_lap_format_and_plays_every_seed():
 
 def test_run_folder_names_the_options_that_differ_from_the_defaults():
     assert baselines.dqn_run_dir("frozen_lake", {}).as_posix() == "runs/dqn-frozen_lake"
-    assert baselines.dqn_run_dir("frozen_lake", {"size": 4, "slippery": True, "map": "classic"}).as_posix() \
-        == "runs/dqn-frozen_lake-map=classic-slippery=True"
+    assert (baselines.dqn_run_dir("frozen_lake", {"size": 4, "slippery": True, "map": "classic"})
+            .as_posix() == "runs/dqn-frozen_lake-map=classic-slippery=True")
 
 
 def test_cli_trains_saves_reloads_and_finds_the_weights(tmp_path, capsys):
@@ -122,13 +126,15 @@ def test_cli_trains_saves_reloads_and_finds_the_weights(tmp_path, capsys):
     trained = baselines.main(argv)
     run_dir = tmp_path / "dqn-frozen_lake-map=classic"
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["dqn"]["train_steps"] == 300 and config["dqn"]["env_options"] == {"map": "classic"}
+    assert (config["dqn"]["train_steps"] == 300
+            and config["dqn"]["env_options"] == {"map": "classic"})
     assert (run_dir / "model.pt").exists()
     assert "dqn" in capsys.readouterr().out
     reloaded = baselines.main(argv[:4] + argv[6:])  # no --train-steps: load the saved weights
     assert reloaded == trained
     assert baselines.find_dqn_run("frozen_lake", {"map": "classic"}, tmp_path) == run_dir
-    assert baselines.find_dqn_run("frozen_lake", {"map": "classic", "slippery": True}, tmp_path) is None
+    assert baselines.find_dqn_run("frozen_lake", {"map": "classic", "slippery": True},
+                                  tmp_path) is None
 
 
 def test_cli_without_weights_says_how_to_train(tmp_path, capsys):
@@ -141,7 +147,8 @@ def test_cli_without_weights_says_how_to_train(tmp_path, capsys):
 
 
 def exact_success_within(map_rows, slippery, policy, horizon):
-    """Probability that a fixed policy (one move per cell) reaches the goal within `horizon` steps."""
+    """Probability that a fixed policy (one move per cell) reaches the goal within `horizon`
+    steps."""
     T = envs.frozen_lake_transition_tensor(map_rows, slippery)
     flat = "".join(map_rows)
     P = T[np.arange(len(flat)), policy]
@@ -154,8 +161,10 @@ def exact_success_within(map_rows, slippery, policy, horizon):
 
 @pytest.mark.slow
 def test_dqn_solves_random_firm_maps():
-    q, _ = baselines.train_dqn(baselines.DQNConfig(env="frozen_lake", train_steps=30_000), progress=False)
-    result = envs.evaluate(baselines.DQNAgent(q, envs.FROZEN_LAKE_ACTIONS), "frozen_lake", envs.heldout_seeds(500))
+    q, _ = baselines.train_dqn(baselines.DQNConfig(env="frozen_lake", train_steps=30_000),
+                               progress=False)
+    result = envs.evaluate(baselines.DQNAgent(q, envs.FROZEN_LAKE_ACTIONS), "frozen_lake",
+                           envs.heldout_seeds(500))
     assert result["success_rate"] >= 0.95, result
 
 
@@ -168,7 +177,8 @@ def test_dqn_is_near_optimal_on_the_classic_slippery_map():
     game = envs.make("frozen_lake", **options)
     _, info = game.reset(seed=0)
     states = [{**info, "position": divmod(s, 4)} for s in range(16)]
-    policy = np.array([envs.parse_action(agent.act("", st), envs.FROZEN_LAKE_ACTIONS) for st in states])
+    policy = np.array([envs.parse_action(agent.act("", st), envs.FROZEN_LAKE_ACTIONS)
+                       for st in states])
     best, _ = envs.frozen_lake_values(CLASSIC, slippery=True)
     # Exact, not sampled: the greedy policy's chance of winning within the 200 steps.
     assert exact_success_within(CLASSIC, True, policy, 200) >= best - 0.05

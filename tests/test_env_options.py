@@ -1,4 +1,5 @@
-"""Game options written as text (--env-opt KEY=VALUE in both command lines) are typed by the game."""
+"""Game options written as text (--env-opt KEY=VALUE in both command lines) are typed by the
+game."""
 
 import pytest
 
@@ -8,16 +9,18 @@ import msgrpo
 import support
 
 
-@pytest.mark.parametrize("text, value", [("False", False), ("false", False), ("off", False), ("no", False),
-                                         ("0", False), ("True", True), ("on", True), ("YES", True), ("1", True)])
+@pytest.mark.parametrize("text, value", [("False", False), ("false", False), ("off", False),
+                                         ("no", False), ("0", False), ("True", True), ("on", True),
+                                         ("YES", True), ("1", True)])
 def test_booleans_are_read_by_a_table(text, value):
     assert envs.option_from_text("frozen_lake", "slippery", text) is value
     assert envs.option_from_text("snake", "opponent", text) is value
 
 
 def test_numbers_and_maps_are_typed_by_the_option():
-    assert envs.options_from_text("frozen_lake", [("size", "6"), ("max_steps", "30"), ("hole_penalty", "-1")]) == \
-        {"size": 6, "max_steps": 30, "hole_penalty": -1.0}
+    assert (envs.options_from_text("frozen_lake", [("size", "6"), ("max_steps", "30"),
+                                                   ("hole_penalty", "-1")])
+            == {"size": 6, "max_steps": 30, "hole_penalty": -1.0})
     assert envs.option_from_text("frozen_lake", "map", "classic") == "classic"
     assert envs.option_from_text("frozen_lake", "map", "random") is None
     rows = envs.option_from_text("frozen_lake", "map", "SFF,FHF,FFG")
@@ -25,9 +28,11 @@ def test_numbers_and_maps_are_typed_by_the_option():
 
 
 @pytest.mark.parametrize("env, key, text, named", [
-    ("frozen_lake", "slippery", "maybe", "true, on, yes, 1, false, off, no, 0"), ("frozen_lake", "size", "abc", "int"),
+    ("frozen_lake", "slippery", "maybe", "true, on, yes, 1, false, off, no, 0"),
+    ("frozen_lake", "size", "abc", "int"),
     ("frozen_lake", "size", "4.0", "int"), ("frozen_lake", "hole_penalty", "nan", "finite"),
-    ("frozen_lake", "colour", "red", "valid options"), ("snake", "slippery", "true", "valid options")])
+    ("frozen_lake", "colour", "red", "valid options"),
+    ("snake", "slippery", "true", "valid options")])
 def test_text_that_is_no_value_of_the_option_is_rejected_by_name(env, key, text, named):
     with pytest.raises(ValueError) as error:
         envs.option_from_text(env, key, text)
@@ -42,8 +47,10 @@ def test_a_string_is_never_taken_for_a_boolean_or_a_number():
 
 
 def test_slippery_false_means_firm_ice_in_both_command_lines():
-    args = msgrpo.build_parser().parse_args(["--env-opt", "slippery=False", "--run-dir", "unused-run"])
-    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults, msgrpo.env_options)
+    args = msgrpo.build_parser().parse_args(["--env-opt", "slippery=False",
+                                             "--run-dir", "unused-run"])
+    cfg, _ = support.config_from_args(args, msgrpo.Config, msgrpo.resolve_defaults,
+                                      msgrpo.env_options)
     assert cfg.env_options == {"slippery": False}
     result = baselines.main(["--agent", "random", "--episodes", "2", "--env-opt", "slippery=off"])
     assert result["env_options"]["slippery"] is False
@@ -52,7 +59,8 @@ def test_slippery_false_means_firm_ice_in_both_command_lines():
 def test_a_goal_beyond_max_steps_is_warned_about():
     assert "38 moves" in envs.pointless_options_warning(envs.make("frozen_lake", size=20))
     assert envs.pointless_options_warning(envs.make("frozen_lake", size=4)) == ""
-    assert envs.pointless_options_warning(envs.make("frozen_lake", map="classic", max_steps=5)) != ""
+    assert envs.pointless_options_warning(envs.make("frozen_lake", map="classic",
+                                                    max_steps=5)) != ""
     assert envs.pointless_options_warning(envs.make("snake")) == ""
 
 
@@ -72,7 +80,8 @@ def test_a_board_too_large_to_play_is_refused_with_the_range(env, size, allowed)
     ("snake", {"size": 5, "apples": 20, "opponent": True}, 19),
     ("snake_poison_apple", {"size": 5, "apples": 12, "bananas": 11}, 22)])
 def test_more_fruit_than_free_cells_is_refused_when_the_game_is_made(env, options, free):
-    """Each apple and banana takes a free cell: apples in the billions would keep reset looking for cells for hours."""
+    """Each apple and banana takes a free cell: apples in the billions would keep reset looking
+    for cells for hours."""
     with pytest.raises(ValueError) as error:
         envs.make(env, **options)
     message = str(error.value)

@@ -1,4 +1,5 @@
-"""The games: Frozen Lake against Gymnasium itself, Snake's rules, the invalid-action rule, errors."""
+"""The games: Frozen Lake against Gymnasium itself, Snake's rules, the invalid-action rule,
+errors."""
 
 import hashlib
 import re
@@ -14,7 +15,8 @@ from gymnasium.utils.env_checker import check_env
 import envs
 
 CLASSIC = MAPS["4x4"]
-RANDOM_MAPS = [generate_random_map(size=size, p=0.8, seed=seed) for size in (4, 5, 8) for seed in range(8)]
+RANDOM_MAPS = [generate_random_map(size=size, p=0.8, seed=seed)
+               for size in (4, 5, 8) for seed in range(8)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,46 +165,60 @@ def test_classic_map_and_given_map():
 
 def test_exploring_starts_put_you_on_ice_or_beside_a_hole_chosen_by_the_seed():
     plain = envs.make("frozen_lake", map="classic")
-    anywhere, beside = (envs.make("frozen_lake", map="classic", start=start) for start in ("ice", "beside_hole"))
+    anywhere, beside = (envs.make("frozen_lake", map="classic", start=start)
+                        for start in ("ice", "beside_hole"))
     assert plain.reset(seed=3)[1]["position"] == (0, 0)  # the default: Gymnasium's start, S
     starts = [anywhere.reset(seed=seed)[1]["position"] for seed in range(200)]
-    assert len(set(starts)) == sum(tile in "SF" for row in CLASSIC for tile in row)  # every ice cell, in time
-    assert starts == [anywhere.reset(seed=seed)[1]["position"] for seed in range(200)]  # the seed decides
+    assert len(set(starts)) == sum(tile in "SF"
+                                   for row in CLASSIC for tile in row)  # every ice cell, in time
+    assert starts == [anywhere.reset(seed=seed)[1]["position"]
+                      for seed in range(200)]  # the seed decides
     # SFFF / FHFH / FFFH / HFFG: the ice cells with a hole one move away, worked out by hand
     assert {beside.reset(seed=seed)[1]["position"] for seed in range(200)} == {
         (0, 1), (0, 3), (1, 0), (1, 2), (2, 0), (2, 1), (2, 2), (3, 1)}
     holeless = envs.make("frozen_lake", map=["SF", "FG"], start="beside_hole")
-    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (0, 1), (1, 0)}
+    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {
+        (0, 0), (0, 1), (1, 0)}
     obs, _ = anywhere.reset(seed=1)
     row, col = anywhere.position
-    assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs  # the text is written from where you start
-    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole, hole_toward_goal, rule_loses"):
+    # the text is written from where you start
+    assert f"Goal: {envs.offset_text(3 - row, 3 - col)}." in obs
+    with pytest.raises(ValueError, match="start must be one of S, ice, beside_hole, "
+                                         "hole_toward_goal, rule_loses"):
         envs.make("frozen_lake", start="corner")
     assert envs.option_from_text("frozen_lake", "start", " beside_hole ") == "beside_hole"
 
 
 def test_starts_with_a_hole_toward_the_goal_test_only_the_moves_that_near_it():
-    # SFFF / FHFH / FFFH / HFFG, goal at (3, 3): down and right near it wherever they move you. (0, 1):
-    # down is the hole (1, 1). (2, 1) and (3, 1) are beside a hole too, but it lies up or left, behind them.
+    # SFFF / FHFH / FFFH / HFFG, goal at (3, 3): down and right near it wherever they move you.
+    # (0, 1): down is the hole (1, 1). (2, 1) and (3, 1) are beside a hole too, but it lies up or
+    # left, behind them.
     toward = envs.make("frozen_lake", map="classic", start="hole_toward_goal")
     assert {toward.reset(seed=seed)[1]["position"] for seed in range(200)} == {
         (0, 1), (0, 3), (1, 0), (1, 2), (2, 0), (2, 2)}
-    assert toward.moves_toward_goal((3, 1)) == [envs.FROZEN_LAKE_ACTIONS.index("right")]  # down: the edge
-    upside_down = envs.make("frozen_lake", map=["GFH", "FFS"], start="hole_toward_goal")  # the goal top left
-    assert {upside_down.reset(seed=seed)[1]["position"] for seed in range(50)} == {(1, 2)}  # up walks into H
-    assert upside_down.moves_toward_goal((1, 1)) == [envs.FROZEN_LAKE_ACTIONS.index(m) for m in ("left", "up")]
+    assert toward.moves_toward_goal((3, 1)) == [
+        envs.FROZEN_LAKE_ACTIONS.index("right")]  # down: the edge
+    upside_down = envs.make("frozen_lake", map=["GFH", "FFS"],
+                            start="hole_toward_goal")  # the goal top left
+    assert {upside_down.reset(seed=seed)[1]["position"]
+            for seed in range(50)} == {(1, 2)}  # up walks into H
+    assert upside_down.moves_toward_goal((1, 1)) == [envs.FROZEN_LAKE_ACTIONS.index(m)
+                                                     for m in ("left", "up")]
     holeless = envs.make("frozen_lake", map=["SF", "FG"], start="hole_toward_goal")
-    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {(0, 0), (0, 1), (1, 0)}
+    assert {holeless.reset(seed=seed)[1]["position"] for seed in range(50)} == {
+        (0, 0), (0, 1), (1, 0)}
 
 
 def test_starts_where_the_neighbour_rule_loses_are_those_only_a_detour_wins():
-    # SFF / FFF / FHG: "down, else right" walks down the left column and then right into the hole from
-    # (0, 0), (1, 0) and (2, 0); from the other cells it reaches G. The goal is 4 moves from (0, 0) and
-    # (2, 0), 3 from (1, 0), so with a budget of 3 moves only (1, 0) is a start where a detour still wins.
+    # SFF / FFF / FHG: "down, else right" walks down the left column and then right into the hole
+    # from (0, 0), (1, 0) and (2, 0); from the other cells it reaches G. The goal is 4 moves from
+    # (0, 0) and (2, 0), 3 from (1, 0), so with a budget of 3 moves only (1, 0) is a start where a
+    # detour still wins.
     pocket = ["SFF", "FFF", "FHG"]
     assert envs.goal_distances(pocket) == {(2, 2): 0, (1, 2): 1, (0, 2): 2, (1, 1): 2, (0, 1): 3,
                                            (1, 0): 3, (0, 0): 4, (2, 0): 4}
-    assert [envs.rule_walk_wins(pocket, cell, 16) for cell in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))] == [
+    assert [envs.rule_walk_wins(pocket, cell, 16)
+            for cell in ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1))] == [
         False, False, False, True, True]
     assert not envs.rule_walk_wins(pocket, (0, 1), 2)  # three moves needed
     loses = envs.make("frozen_lake", map=pocket, start="rule_loses")
@@ -211,7 +227,8 @@ def test_starts_where_the_neighbour_rule_loses_are_those_only_a_detour_wins():
     assert {short.reset(seed=seed)[1]["position"] for seed in range(20)} == {(1, 0)}
     easy = ["SFF", "FHF", "FFG"]  # the rule wins from each of the 7 ice cells
     assert all(envs.rule_walk_wins(easy, cell, 16) for cell in envs.cells_with(easy, "F"))
-    everywhere = envs.make("frozen_lake", map=easy, start="rule_loses")  # no such cell: any ice cell
+    everywhere = envs.make("frozen_lake", map=easy,
+                           start="rule_loses")  # no such cell: any ice cell
     assert len({everywhere.reset(seed=seed)[1]["position"] for seed in range(100)}) == 7
 
 
@@ -234,7 +251,8 @@ def test_frozen_lake_observation_text():
     assert env.rules in obs
     assert "Actions: left, down, right, up." in obs
     assert "Goal: 3 down, 3 right." in obs
-    assert obs.endswith("Steps left: 16.\nNext to you: left edge, down ice, right ice, up edge.")  # last: next to the reply
+    assert obs.endswith("Steps left: 16.\n"  # last: next to the reply
+                        "Next to you: left edge, down ice, right ice, up edge.")
     assert "P F F F\nF H F H\nF F F H\nH F F G" in obs
     assert "P = you" in obs and "hole H" in obs and "goal G" in obs
     assert "<action>" not in obs  # the response format is the agent's business
@@ -248,7 +266,8 @@ def test_frozen_lake_observation_text():
 
 def test_a_hole_costs_hole_penalty_and_nothing_by_default():
     for options, expected in (({}, 0.0), ({"hole_penalty": -1}, -1.0)):
-        env = envs.make("frozen_lake", map="classic", **options)  # SFFF / FHFH: down, then right is a hole
+        env = envs.make("frozen_lake", map="classic",
+                        **options)  # SFFF / FHFH: down, then right is a hole
         env.reset(seed=0)
         env.step(env.actions.index("down"))
         _, reward, terminated, _, info = env.step(env.actions.index("right"))
@@ -260,7 +279,8 @@ def test_frozen_lake_invalid_action_stays_put_with_penalty():
     env.reset(seed=0)
     _, reward, terminated, truncated, info = env.step(None)
     assert info["position"] == (0, 0)
-    assert (reward, terminated, truncated, info["invalid"], info["steps"]) == (-0.5, False, False, True, 1)
+    assert ((reward, terminated, truncated, info["invalid"], info["steps"])
+            == (-0.5, False, False, True, 1))
     _, reward, _, _, info = env.step(env.actions.index("right"))
     assert (reward, info["invalid"], info["position"]) == (0.0, False, (0, 1))
     env = envs.make("frozen_lake")
@@ -301,7 +321,8 @@ def test_unknown_option_lists_valid_options(name, bad_option, valid_option):
 
 
 @pytest.mark.parametrize("bad", [dict(size=0), dict(max_steps=0), dict(map="huge"),
-                                 dict(map=["SF", "FFF"]), dict(map=["FF", "FG"]), dict(map=["SX", "FG"])])
+                                 dict(map=["SF", "FFF"]), dict(map=["FF", "FG"]),
+                                 dict(map=["SX", "FG"])])
 def test_bad_option_values_raise(bad):
     with pytest.raises(ValueError):
         envs.make("frozen_lake", **bad)
@@ -442,7 +463,8 @@ def test_opponent_moves():
 def test_same_seed_same_game():
     for name in envs.ENV_NAMES:
         options = {} if name == "frozen_lake" else {"opponent": True}
-        assert play_random(envs.make(name, **options), 7) == play_random(envs.make(name, **options), 7)
+        assert (play_random(envs.make(name, **options), 7)
+                == play_random(envs.make(name, **options), 7))
     snake = envs.make("snake")
     assert snake.reset(seed=1)[1]["apples"] != snake.reset(seed=2)[1]["apples"]
 

@@ -1,5 +1,6 @@
-"""The CUDA default's choices, shown on the CPU: compute precision, the evaluation batch, scores only
-where used, non-reentrant checkpointing, random state on every device, the start-of-run line."""
+"""The CUDA default's choices, shown on the CPU: compute precision, the evaluation batch, scores
+only where used, non-reentrant checkpointing, random state on every device, the start-of-run
+line."""
 
 import dataclasses
 
@@ -27,7 +28,8 @@ def test_the_base_stays_in_the_compute_dtype_while_lora_weights_stay_fp32(monkey
     monkeypatch.setattr(msgrpo, "compute_dtype", lambda device: torch.bfloat16)  # as on CUDA
     model, tokenizer = msgrpo.load_policy(tiny_config(quantize=False))
     trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in name and p.dtype == torch.float32 for name, p in trainable.items())
+    assert trainable and all("lora_" in name and p.dtype == torch.float32
+                             for name, p in trainable.items())
     assert model.get_input_embeddings().weight.dtype == torch.bfloat16
     ids = torch.tensor([tokenizer("You are at (row 0, col 0).").input_ids])
     out = model(input_ids=ids, output_hidden_states=True)
@@ -39,12 +41,14 @@ def test_the_base_stays_in_the_compute_dtype_while_lora_weights_stay_fp32(monkey
 
 def test_gradient_checkpointing_is_non_reentrant_and_lora_still_learns():
     model, tokenizer = msgrpo.load_policy(tiny_config(gradient_checkpointing=True))
-    functions = [m._gradient_checkpointing_func for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    functions = [m._gradient_checkpointing_func for m in model.modules()
+                 if hasattr(m, "_gradient_checkpointing_func")]
     assert functions and all(f.keywords == {"use_reentrant": False} for f in functions)
     model.train()
     ids = torch.tensor([tokenizer("You are at (row 0, col 0).").input_ids])
     model(input_ids=ids).logits.logsumexp(-1).sum().backward()
-    lora = [p for name, p in model.named_parameters() if "lora_B" in name]  # lora_A's gradient goes through B = 0
+    lora = [p for name, p in model.named_parameters()
+            if "lora_B" in name]  # lora_A's gradient goes through B = 0
     assert lora and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
 
 
@@ -61,7 +65,8 @@ def test_the_evaluation_batch_is_a_setting_sized_per_device(monkeypatch):
         return {}
 
     monkeypatch.setattr(envs, "evaluate", fake_evaluate)
-    msgrpo.evaluate_policy(None, None, dataclasses.replace(tiny_config(), eval_batch=7, eval_episodes=20))
+    msgrpo.evaluate_policy(None, None, dataclasses.replace(tiny_config(), eval_batch=7,
+                                                           eval_episodes=20))
     assert seen == {"batch_size": 7, "episodes": 20}
 
 
@@ -70,7 +75,8 @@ def test_evaluation_replies_and_rollouts_get_their_log_probs():
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
     agent = msgrpo.LAPAgent(model, tokenizer, cfg, greedy=False)
-    assert len(agent.act_batch(["You are at (row 0, col 0).", "You are at (row 1, col 2)."], [{}, {}])) == 2
+    assert len(agent.act_batch(["You are at (row 0, col 0).", "You are at (row 1, col 2)."],
+                               [{}, {}])) == 2
     prompts = [msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)]
     responses, logprobs = msgrpo.sample_responses(model, tokenizer, prompts, 4, 1.0)
     assert len(logprobs[0]) == len(responses[0]) > 0 and all(lp <= 0 for lp in logprobs[0])
@@ -87,7 +93,8 @@ def test_the_start_of_run_line_names_device_model_precision_and_quantisation():
     assert line.endswith("base float32 + LoRA r 4")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to compare its random state")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device to compare its random state")
 def test_evaluation_leaves_the_cuda_random_state_where_it_was():
     cfg = tiny_config(eval_episodes=2, eval_batch=2)
     model, tokenizer = msgrpo.load_policy(cfg)
@@ -96,7 +103,8 @@ def test_evaluation_leaves_the_cuda_random_state_where_it_was():
     assert all(torch.equal(a, b) for a, b in zip(before, torch.cuda.get_rng_state_all()))
 
 
-def test_checkpoints_keep_and_restore_the_cuda_random_state_where_cuda_exists(monkeypatch, tmp_path):
+def test_checkpoints_keep_and_restore_the_cuda_random_state_where_cuda_exists(monkeypatch,
+                                                                              tmp_path):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     rng = np.random.default_rng(0)

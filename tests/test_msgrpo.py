@@ -39,7 +39,8 @@ def test_group_advantages_without_std_scaling_are_centred_returns():
 
 
 def test_zero_variance_group_gets_exactly_zero_and_is_counted():
-    # 0.1 three times has a floating-point mean that is not exactly 0.1: still exactly zero advantage
+    # 0.1 three times has a floating-point mean that is not exactly 0.1: still exactly zero
+    # advantage
     returns = [0.1, 0.1, 0.1, 1.0, 0.0, 0.0]
     groups = [7, 7, 7, 3, 3, 3]
     advantages = msgrpo.group_advantages(returns, groups)
@@ -89,9 +90,11 @@ def test_choose_episodes_sizes_per_sampling_mode():
     cfg = msgrpo.Config(sample_frac=0.5)
     assert len(msgrpo.choose_episodes(advantages, cfg, rng)) == 4
     assert set(msgrpo.choose_episodes(advantages, cfg, rng)) == {0, 1, 4, 5}
-    uniform = msgrpo.choose_episodes(advantages, msgrpo.Config(sampling="uniform", sample_frac=0.3), rng)
+    uniform = msgrpo.choose_episodes(advantages,
+                                     msgrpo.Config(sampling="uniform", sample_frac=0.3), rng)
     assert len(uniform) == math.ceil(0.3 * 8) and len(set(uniform)) == len(uniform)
-    assert list(msgrpo.choose_episodes(advantages, msgrpo.Config(sampling="all"), rng)) == list(range(8))
+    assert (list(msgrpo.choose_episodes(advantages, msgrpo.Config(sampling="all"), rng))
+            == list(range(8)))
 
 
 # --- clipped policy loss -----------------------------------------------------------------------
@@ -102,12 +105,14 @@ def test_clipped_loss_on_both_sides_of_one():
     advantages = torch.tensor([[1.0, -1.0, 1.0, -1.0, 2.0]])
     logp_old = torch.zeros(1, 5)
     logp_new = ratios.log().requires_grad_()
-    loss = msgrpo.clipped_policy_loss(logp_new, logp_old, advantages, torch.ones(1, 5), eps_clip=0.2)
+    loss = msgrpo.clipped_policy_loss(logp_new, logp_old, advantages, torch.ones(1, 5),
+                                      eps_clip=0.2)
     # min(rho A, clip(rho) A): 1.2 (clipped above), -0.8 (clipped below), 0.5, -1.5, 2.2 (inside)
     assert loss.item() == pytest.approx(-(1.2 - 0.8 + 0.5 - 1.5 + 2.2) / 5)
     loss.backward()
     # clipped tokens give no gradient; the others give -A * rho / n
-    np.testing.assert_allclose(logp_new.grad[0].numpy(), [0, 0, -0.5 / 5, 1.5 / 5, -2.2 / 5], atol=1e-6)
+    np.testing.assert_allclose(logp_new.grad[0].numpy(), [0, 0, -0.5 / 5, 1.5 / 5, -2.2 / 5],
+                               atol=1e-6)
 
 
 def test_clipped_loss_ignores_masked_tokens_and_broadcasts_step_advantages():
@@ -150,9 +155,10 @@ def test_broadcast_puts_each_steps_advantage_on_its_response_tokens_only():
 
 
 def test_broadcast_from_episodes_to_steps():
-    """Every step of every drawn episode carries that episode's advantage (train_iteration's rule)."""
-    episodes = [msgrpo.Episode(group=0, seed=1, prompts=[[1], [2], [3]], responses=[[4], [5, 6], [7]],
-                               rewards=[0, 0, 1]),
+    """Every step of every drawn episode carries that episode's advantage (train_iteration's
+    rule)."""
+    episodes = [msgrpo.Episode(group=0, seed=1, prompts=[[1], [2], [3]],
+                               responses=[[4], [5, 6], [7]], rewards=[0, 0, 1]),
                 msgrpo.Episode(group=0, seed=1, prompts=[[1]], responses=[[9]], rewards=[0])]
     returns = msgrpo.episode_returns([ep.rewards for ep in episodes])
     advantages = msgrpo.group_advantages(returns, [0, 0])
@@ -162,19 +168,21 @@ def test_broadcast_from_episodes_to_steps():
 
 
 def test_episode_mean_gives_every_episode_the_same_weight_whatever_its_length():
-    """A 3-step survivor (A = +1) and a 1-step fall (A = -1): mean length 2, so the survivor's steps get
-    2/3 each and the fall's step 2. Per episode the weights sum to A_i * 2: the two cancel, where a
-    plain token mean would have weighed the survivor 3 to 1."""
+    """A 3-step survivor (A = +1) and a 1-step fall (A = -1): mean length 2, so the survivor's steps
+    get 2/3 each and the fall's step 2. Per episode the weights sum to A_i * 2: the two cancel,
+    where a plain token mean would have weighed the survivor 3 to 1."""
     episodes = [msgrpo.Episode(group=0, seed=1, prompts=[[1], [2], [3]], responses=[[4], [5], [6]]),
                 msgrpo.Episode(group=0, seed=1, prompts=[[1]], responses=[[7]]),
-                msgrpo.Episode(group=0, seed=1, prompts=[[1]] * 5, responses=[[8]] * 5)]  # not drawn
+                msgrpo.Episode(group=0, seed=1, prompts=[[1]] * 5,
+                               responses=[[8]] * 5)]  # not drawn
     chosen = np.array([0, 1])
     weights = msgrpo.episode_length_weights(episodes, chosen)
     np.testing.assert_allclose(weights[chosen], [2 / 3, 2.0])
     steps = msgrpo.episode_steps(episodes, np.array([1.0, -1.0, 0.5]) * weights, chosen)
     assert [a for _, _, a in steps] == pytest.approx([2 / 3, 2 / 3, 2 / 3, -2.0])
     assert sum(a for _, _, a in steps) == pytest.approx(0.0)
-    assert msgrpo.episode_length_weights(episodes, np.array([], dtype=int)).tolist() == [1.0, 1.0, 1.0]
+    assert msgrpo.episode_length_weights(episodes,
+                                         np.array([], dtype=int)).tolist() == [1.0, 1.0, 1.0]
 
 
 # --- the model pieces, on the tiny model --------------------------------------------------------
@@ -200,15 +208,17 @@ def test_prompt_ends_with_the_prefill_and_holds_the_observation(tiny):
     text = tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 1).", cfg))
     assert "You are at (row 0, col 1)." in text and text.endswith("<action>")
     think_cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, run_dir="x"))
-    assert not tokenizer.decode(msgrpo.lap_prompt_ids(tokenizer, "obs", think_cfg)).endswith("<action>")
+    assert not tokenizer.decode(
+        msgrpo.lap_prompt_ids(tokenizer, "obs", think_cfg)).endswith("<action>")
 
 
 def test_thinking_gets_longer_replies_and_smaller_micro_batches():
-    plain, think = (msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=t, run_dir="x")) for t in (False, True))
+    plain, think = (msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=t, run_dir="x"))
+                    for t in (False, True))
     assert (plain.max_new_tokens, plain.micro_batch) == (6, 16)
     assert (think.max_new_tokens, think.micro_batch) == (256, 4)
-    chosen = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, micro_batch=2, max_new_tokens=64,
-                                                   run_dir="x"))
+    chosen = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", think=True, micro_batch=2,
+                                                   max_new_tokens=64, run_dir="x"))
     assert (chosen.max_new_tokens, chosen.micro_batch) == (64, 2)
 
 
@@ -218,8 +228,8 @@ def test_snake_replies_are_one_token_in_one_phase_unless_asked_otherwise():
     assert (snake.max_new_tokens, snake.late_after, lake.late_after) == (1, 0, 25)
     assert (snake.beta, lake.beta) == (0.1, 0.0)  # a KL penalty keeps Snake's one token open
     assert (snake.minibatch, lake.minibatch) == (16, 0)  # several AdamW steps an iteration on Snake
-    asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10, beta=0.0,
-                                                  minibatch=0, run_dir="x"))
+    asked = msgrpo.resolve_defaults(msgrpo.Config(env="snake", max_new_tokens=6, late_after=10,
+                                                  beta=0.0, minibatch=0, run_dir="x"))
     assert (asked.max_new_tokens, asked.late_after, asked.beta, asked.minibatch) == (6, 10, 0.0, 0)
 
 
@@ -229,10 +239,12 @@ def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
     the sampler's (same ids, same temperature, same positions, the same kept weights), so the
     first ratio is 1."""
     cfg, model, tokenizer = tiny
-    prompts = [msgrpo.lap_prompt_ids(tokenizer, text, cfg) for text in ["short", "a much longer observation " * 5]]
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, text, cfg)
+               for text in ["short", "a much longer observation " * 5]]
     torch.manual_seed(3)
     responses, sampled = msgrpo.sample_responses(model, tokenizer, prompts, 6, temperature)
-    batch = msgrpo.collate_steps([(p, r, 1.0) for p, r in zip(prompts, responses)], tokenizer.pad_token_id)
+    batch = msgrpo.collate_steps([(p, r, 1.0) for p, r in zip(prompts, responses)],
+                                 tokenizer.pad_token_id)
     with torch.no_grad():
         logp, mask = msgrpo.response_logprobs(model, batch, temperature)
     for row, values in enumerate(sampled):
@@ -241,7 +253,8 @@ def test_training_logprobs_equal_sampling_logprobs(tiny, temperature):
 
 
 def _lap_steps(tokenizer, cfg, responses):
-    """Frozen Lake steps from three maps and cells: the prompts share the system prompt and rules."""
+    """Frozen Lake steps from three maps and cells: the prompts share the system prompt and
+    rules."""
     steps = []
     for seed, response in zip(range(len(responses)), responses):
         game = envs.make("frozen_lake")
@@ -253,7 +266,8 @@ def _lap_steps(tokenizer, cfg, responses):
 
 
 def _tiny_policy_with_a_trained_adapter():
-    """A fresh tiny policy whose LoRA B weights are random: B = 0 at init would make most gradients 0."""
+    """A fresh tiny policy whose LoRA B weights are random: B = 0 at init would make most
+    gradients 0."""
     cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", run_dir="unused"))
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
@@ -270,7 +284,8 @@ def _logprobs_and_lora_grads(model, batch):
     model.zero_grad()
     logp, mask = msgrpo.response_logprobs(model, batch, 1.0)
     msgrpo.clipped_policy_loss(logp, logp.detach(), batch.advantages, mask).backward()
-    return logp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()
+                                 if p.requires_grad}
 
 
 def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(tiny):
@@ -285,7 +300,8 @@ def test_exploring_starts_move_training_games_only_and_a_group_shares_its_start(
     seeds = list(range(8))
     episodes = msgrpo.play_groups(model, tokenizer, cfg, seeds)
     first_prompts = [tokenizer.decode(ep.prompts[0]) for ep in episodes]
-    assert all(first_prompts[2 * g] == first_prompts[2 * g + 1] for g in range(len(seeds)))  # one start per group
+    assert all(first_prompts[2 * g] == first_prompts[2 * g + 1]
+               for g in range(len(seeds)))  # one start per group
     at_start = [envs.make("frozen_lake", max_steps=1).reset(seed=s)[0] in first_prompts[2 * g]
                 for g, s in enumerate(seeds)]
     assert not all(at_start)  # some groups begin away from S
@@ -327,7 +343,8 @@ def test_greedy_replies_are_the_ones_transformers_generate_writes(tiny, speedups
 def test_each_reply_stops_where_ends_reply_says_and_the_loop_when_all_have(tiny, monkeypatch,
                                                                             speedups):
     cfg, model, tokenizer = tiny
-    prompts = [msgrpo.lap_prompt_ids(tokenizer, f"You are at (row {r}, col 0).", cfg) for r in range(4)]
+    prompts = [msgrpo.lap_prompt_ids(tokenizer, f"You are at (row {r}, col 0).", cfg)
+               for r in range(4)]
     monkeypatch.setattr(msgrpo, "ends_reply", lambda ids, end_ids, tokenizer: ids[-1] % 3 == 0)
     torch.manual_seed(1)
     replies, logprobs = msgrpo.sample_responses(model, tokenizer, prompts, 8, 1.0, speedups)
@@ -343,7 +360,8 @@ def test_each_reply_stops_where_ends_reply_says_and_the_loop_when_all_have(tiny,
 def test_a_reply_ends_at_an_end_token_or_the_token_that_completes_action_end(tiny):
     _, model, tokenizer = tiny
     end = tokenizer.eos_token_id
-    assert end == tokenizer.pad_token_id  # SmolLM2: pad == end token, so a mask built from the pad id would drop real end tokens
+    # SmolLM2: pad == end token, so a mask built from the pad id would drop real end tokens
+    assert end == tokenizer.pad_token_id
     ends = msgrpo.end_token_ids(model, tokenizer)
     word = tokenizer("right", add_special_tokens=False).input_ids
     close = tokenizer("</action>", add_special_tokens=False).input_ids
@@ -356,7 +374,8 @@ def test_a_reply_ends_at_an_end_token_or_the_token_that_completes_action_end(tin
 
 def _steps_logprob(model, tokenizer, steps):
     with torch.no_grad():
-        logp, mask = msgrpo.response_logprobs(model, msgrpo.collate_steps(steps, tokenizer.pad_token_id), 1.0)
+        logp, mask = msgrpo.response_logprobs(
+            model, msgrpo.collate_steps(steps, tokenizer.pad_token_id), 1.0)
     return (logp * mask).sum(1)
 
 
@@ -425,13 +444,15 @@ def test_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path):
     stopped = msgrpo.main(TINY_RUN + ["--iterations", "2", "--run-dir", str(tmp_path / "b")])
     resumed = msgrpo.main(["--resume", str(stopped), "--iterations", "3"])
     assert resumed == stopped
-    assert _without_timing(support.read_metrics(resumed)) == _without_timing(support.read_metrics(straight))
+    assert (_without_timing(support.read_metrics(resumed))
+            == _without_timing(support.read_metrics(straight)))
 
 
 def test_flags_given_with_resume_are_used_and_saved(tmp_path):
     """--resume D --lr X trains on at X (the optimizer's saved state carries the old rate) and
     config.json says so, so the next plain --resume D keeps it."""
-    stopped = msgrpo.main(TINY_RUN + ["--iterations", "1", "--lr", "1e-3", "--run-dir", str(tmp_path / "b")])
+    stopped = msgrpo.main(TINY_RUN + ["--iterations", "1", "--lr", "1e-3",
+                                      "--run-dir", str(tmp_path / "b")])
     seen = []
     original = msgrpo.train_iteration
 
@@ -446,7 +467,8 @@ def test_flags_given_with_resume_are_used_and_saved(tmp_path):
     assert (saved["lr"], saved["iterations"]) == (5e-5, 2)
 
 
-def test_the_late_phase_lowers_the_rate_and_heats_the_rollouts_after_late_after_iterations(tmp_path):
+def test_the_late_phase_lowers_the_rate_and_heats_the_rollouts_after_late_after_iterations(
+        tmp_path):
     cfg = msgrpo.Config(late_after=12, lr=2e-4, late_lr=5e-5, temperature=1.0, late_temperature=2.0)
     assert [msgrpo.phase_settings(cfg, i) for i in (1, 12, 13, 100)] == [(2e-4, 1.0), (2e-4, 1.0),
                                                                        (5e-5, 2.0), (5e-5, 2.0)]
@@ -460,12 +482,14 @@ def test_the_late_phase_lowers_the_rate_and_heats_the_rollouts_after_late_after_
 
     run = tmp_path / "run"
     with mock.patch.object(msgrpo, "train_iteration", spy):
-        msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--late-after", "1", "--late-lr", "1e-5",
-                                "--temperature", "0.7", "--late-temperature", "1.5", "--run-dir", str(run)])
+        msgrpo.main(TINY_RUN + ["--iterations", "2", "--lr", "1e-3", "--late-after", "1",
+                                "--late-lr", "1e-5", "--temperature", "0.7",
+                                "--late-temperature", "1.5", "--run-dir", str(run)])
     assert seen == [(1e-3, 0.7), (1e-5, 1.5)]
     logged = [(m["lr"], m["temperature"]) for m in support.read_metrics(run)]
     assert logged == seen
-    assert support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults).temperature == 0.7  # the phase's temperature is not saved as the run's
+    assert (support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults).temperature
+            == 0.7)  # the phase's temperature is not saved as the run's
 
 
 def test_bad_cli_input_fails_clearly(capsys):
@@ -490,15 +514,17 @@ def test_bundled_smollm2_runs_one_iteration(tmp_path):
 
 @pytest.mark.slow
 def test_committed_adapter_reproduces_its_held_out_success():
-    """results/frozen_lake_cpu/adapter, loaded on the bundled model through PeftModel.from_pretrained
-    (load_policy's path), plays the first 64 of its 200 held-out maps within eval.json's interval."""
+    """results/frozen_lake_cpu/adapter, loaded on the bundled model through
+    PeftModel.from_pretrained (load_policy's path), plays the first 64 of its 200 held-out maps
+    within eval.json's interval."""
     import dataclasses
     from pathlib import Path
 
     from peft import PeftModel
 
     run = Path(__file__).resolve().parent.parent / "results" / "frozen_lake_cpu"
-    cfg = dataclasses.replace(support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults), eval_episodes=64)
+    cfg = dataclasses.replace(support.load_config(run, msgrpo.Config, msgrpo.resolve_defaults),
+                              eval_episodes=64)
     trained = support.load_json(run / "eval.json")[-1]
     assert trained["iteration"] > 0 and trained["episodes"] >= 200
     model, tokenizer = msgrpo.load_policy(cfg, adapter=run / "adapter")
@@ -519,8 +545,9 @@ def test_gradients_are_the_same_before_and_after_sampling():
             if "lora_B" in name:
                 p.normal_(0, 0.01)  # so the gradient also flows into every lora_A
     prompt = msgrpo.lap_prompt_ids(tokenizer, "You are at (row 0, col 0).", cfg)
-    batch = msgrpo.collate_steps([(prompt, tokenizer("right</action>", add_special_tokens=False).input_ids, 1.0)],
-                                 tokenizer.pad_token_id)
+    batch = msgrpo.collate_steps(
+        [(prompt, tokenizer("right</action>", add_special_tokens=False).input_ids, 1.0)],
+        tokenizer.pad_token_id)
 
     def lora_gradients():
         model.train()
@@ -530,7 +557,8 @@ def test_gradients_are_the_same_before_and_after_sampling():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     before = lora_gradients()
-    msgrpo.sample_responses(model, tokenizer, [prompt, prompt[2:]], 4, 1.0)  # a rollout, in eval mode
+    # a rollout, in eval mode
+    msgrpo.sample_responses(model, tokenizer, [prompt, prompt[2:]], 4, 1.0)
     after = lora_gradients()
     first_layer = [n for n in before if "layers.0." in n and "lora_A" in n]
     assert first_layer and all(before[n].norm() > 0 for n in first_layer)
@@ -549,11 +577,13 @@ def test_kl_to_the_adapter_disabled_reference_grows_as_the_adapter_learns(tiny):
 
 
 def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
-    frozen_lake = {"iteration": 12, "episodes": 4, "success_rate": 0.25, "success_ci95": [0.046, 0.699],
+    frozen_lake = {"iteration": 12, "episodes": 4, "success_rate": 0.25,
+                   "success_ci95": [0.046, 0.699],
                    "mean_return": 0.25, "return_ci95": [-0.2, 0.7], "invalid_rate": 0.5}
     text = support.eval_table([frozen_lake])
     assert "apples" not in text
-    assert text.splitlines()[-1] == "| 12 | 4 | 0.250 (0.046 to 0.699) | 0.250 (-0.200 to 0.700) | 0.500 |"
+    assert (text.splitlines()[-1]
+            == "| 12 | 4 | 0.250 (0.046 to 0.699) | 0.250 (-0.200 to 0.700) | 0.500 |")
     snake = {**frozen_lake, "success_rate": 0.0, "success_ci95": [0.0, 0.49], "mean_apples": 1.5,
              "apples_ci95": [1.0, 2.0]}
     text = support.eval_table([snake])
@@ -563,7 +593,8 @@ def test_eval_table_gives_every_score_its_interval_and_snake_its_apples():
 
 # --- the map-reading probe -----------------------------------------------------------------------
 
-PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right") for kind in ("hole", "ice", "ratio")} | {
+PROBE_KEYS = {f"probe_{move}_{kind}" for move in ("down", "right")
+              for kind in ("hole", "ice", "ratio")} | {
     "probe_greedy_success", "probe_left_up_blocked"}
 
 
@@ -576,11 +607,13 @@ def test_probe_states_are_every_open_cell_of_training_maps_as_the_game_shows_the
         game = envs.make("frozen_lake", **options)
         start_text, info = game.reset(seed=seed)
         map_rows, start = tuple(info["map"]), info["position"]
-        open_cells = [(r, c) for r, row in enumerate(map_rows) for c, tile in enumerate(row) if tile not in "HG"]
+        open_cells = [(r, c) for r, row in enumerate(map_rows) for c, tile in enumerate(row)
+                      if tile not in "HG"]
         by_cell = {cell: obs for rows, cell, obs in states if rows == map_rows}
         assert sorted(by_cell) == open_cells
         assert by_cell[start] == start_text  # the text reset() itself shows
-        # A cell one firm step from the start: the text the game shows after that step, counter aside.
+        # A cell one firm step from the start: the text the game shows after that step, counter
+        # aside.
         move = next(a for a in range(4) if envs.walks_onto(map_rows, start, a) == "ice")
         stepped_text = game.step(move)[0]
         assert stepped_text == by_cell[game.position].replace("Steps left: 7.", "Steps left: 6.")
@@ -599,7 +632,8 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
              (2, 1): (0.9, 0.9)}  # edge / goal
     states = [(map_rows, cell, f"observation {i}") for i, cell in enumerate(table)]
     probabilities = np.array([[0.0, down, right, 0.0] for down, right in table.values()])
-    probabilities[2, [0, 3]] = [0.1, 0.15]  # (0, 2): down a hole, right the edge, so left + up count
+    # (0, 2): down a hole, right the edge, so left + up count
+    probabilities[2, [0, 3]] = [0.1, 0.15]
     probabilities[0, [0, 3]] = [0.3, 0.3]  # (0, 0): right is ice, so this state does not
 
     def fake_move_probabilities(model, tokenizer, prompts, micro_batch, greedy=False,
@@ -613,9 +647,11 @@ def test_map_reading_probe_averages_each_moves_probability_by_what_it_walks_onto
     monkeypatch.setattr(support, "move_probabilities", fake_move_probabilities)
     result = support.map_reading_probe(None, None, msgrpo.Config(), states, prompt_ids)
     assert set(result) == PROBE_KEYS
-    assert result["probe_down_hole"] == pytest.approx(0.2) and result["probe_down_ice"] == pytest.approx(0.8)
+    assert (result["probe_down_hole"] == pytest.approx(0.2)
+            and result["probe_down_ice"] == pytest.approx(0.8))
     assert result["probe_down_ratio"] == pytest.approx(0.25)
-    assert result["probe_right_hole"] == pytest.approx(0.1) and result["probe_right_ice"] == pytest.approx(0.4)
+    assert (result["probe_right_hole"] == pytest.approx(0.1)
+            and result["probe_right_ice"] == pytest.approx(0.4))
     assert result["probe_right_ratio"] == pytest.approx(0.25)
     assert result["probe_left_up_blocked"] == pytest.approx(0.25)
     probabilities = probabilities[[1]]  # down walks onto ice only: no hole to compare with
@@ -633,11 +669,15 @@ def test_greedy_probe_success_walks_each_map_from_s_with_the_greedy_moves():
         for cell in msgrpo.envs.cells_with(map_rows, "F") + msgrpo.envs.cells_with(map_rows, "S"):
             states.append((map_rows, cell, "observation"))
             moves.append(route.get(cell, up))
-    assert support.probe_greedy_success(states, moves, max_steps=16) == 0.5  # `faller` has a hole at (1, 1)
+    # `faller` has a hole at (1, 1)
+    assert support.probe_greedy_success(states, moves, max_steps=16) == 0.5
     assert support.probe_greedy_success(states, moves, max_steps=3) == 0.0  # 4 moves needed
-    stuck = [-1 if (m, cell) == (winner, (1, 1)) else move for (m, cell, _), move in zip(states, moves)]
-    assert support.probe_greedy_success(states, stuck, max_steps=16) == 0.0  # an invalid reply stays put
-    into_edge = [up if (m, cell) == (winner, (0, 0)) else move for (m, cell, _), move in zip(states, moves)]
+    stuck = [-1 if (m, cell) == (winner, (1, 1)) else move
+             for (m, cell, _), move in zip(states, moves)]
+    # an invalid reply stays put
+    assert support.probe_greedy_success(states, stuck, max_steps=16) == 0.0
+    into_edge = [up if (m, cell) == (winner, (0, 0)) else move
+                 for (m, cell, _), move in zip(states, moves)]
     assert support.probe_greedy_success(states, into_edge, max_steps=16) == 0.0
 
 
@@ -646,7 +686,8 @@ def test_the_probe_applies_to_frozen_lake_with_the_prefilled_action_only():
     for cfg in [msgrpo.Config(env="snake"), msgrpo.Config(think=True), msgrpo.Config(prefill=False),
                 msgrpo.Config(probe_every=0)]:
         assert not support.probe_applies(cfg)
-    assert [i for i in range(1, 12) if support.probe_due(msgrpo.Config(probe_every=5), i)] == [1, 5, 10]
+    assert [i for i in range(1, 12)
+            if support.probe_due(msgrpo.Config(probe_every=5), i)] == [1, 5, 10]
 
 
 @pytest.fixture(scope="module")
@@ -655,8 +696,9 @@ def probe_runs(tmp_path_factory):
     runs = {}
     for probe_every in (1, 0):
         cfg = msgrpo.resolve_defaults(msgrpo.Config(
-            model="tiny", iterations=2, groups=2, group_size=4, env_options={"max_steps": 4}, eval_episodes=0,
-            probe_every=probe_every, run_dir=str(tmp_path_factory.mktemp("probe") / f"every-{probe_every}")))
+            model="tiny", iterations=2, groups=2, group_size=4, env_options={"max_steps": 4},
+            eval_episodes=0, probe_every=probe_every,
+            run_dir=str(tmp_path_factory.mktemp("probe") / f"every-{probe_every}")))
         runs[probe_every] = support.read_metrics(msgrpo.train(cfg))
     return runs
 
@@ -673,7 +715,8 @@ def test_a_probed_run_logs_the_probe_in_every_metrics_line(probe_runs):
 
 
 def test_the_probe_does_not_move_the_training_random_numbers(probe_runs):
-    probed, unprobed = ([{k: v for k, v in m.items() if k not in PROBE_KEYS} for m in _without_timing(rows)]
+    probed, unprobed = ([{k: v for k, v in m.items() if k not in PROBE_KEYS}
+                         for m in _without_timing(rows)]
                         for rows in (probe_runs[1], probe_runs[0]))
     assert probed == unprobed
 
@@ -681,14 +724,18 @@ def test_the_probe_does_not_move_the_training_random_numbers(probe_runs):
 def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
     import matplotlib.image
 
-    line = {"iteration": 1, "success_rate": 0.1, "mean_return": 0.1, "invalid_rate": 0.2, "distinct_responses": 0.5,
-            "entropy": 1.0, "zero_variance_groups": 1}
+    line = {"iteration": 1, "success_rate": 0.1, "mean_return": 0.1, "invalid_rate": 0.2,
+            "distinct_responses": 0.5, "entropy": 1.0, "zero_variance_groups": 1}
     probe = {"probe_down_hole": 0.5, "probe_down_ice": 0.5, "probe_down_ratio": 1.0,
-             "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25, "probe_greedy_success": 0.5}
+             "probe_right_hole": 0.1, "probe_right_ice": 0.4, "probe_right_ratio": 0.25,
+             "probe_greedy_success": 0.5}
     widths = {}
-    phases = [{"lr": 2e-4, "temperature": 1.0}, {"lr": 2e-4, "temperature": 1.0}, {"lr": 1e-4, "temperature": 1.5}]
-    for name, rows in [("probed", [{**line, **probe, **phases[0]}, {**line, "iteration": 2, **phases[1]},
-                                   {**line, **probe, "iteration": 3, "probe_down_ratio": math.nan, **phases[2]}]),
+    phases = [{"lr": 2e-4, "temperature": 1.0}, {"lr": 2e-4, "temperature": 1.0},
+              {"lr": 1e-4, "temperature": 1.5}]
+    for name, rows in [("probed", [{**line, **probe, **phases[0]},
+                                   {**line, "iteration": 2, **phases[1]},
+                                   {**line, **probe, "iteration": 3, "probe_down_ratio": math.nan,
+                                    **phases[2]}]),
                        ("snake", [line, {**line, "iteration": 2}])]:
         run = tmp_path / name
         run.mkdir()
@@ -699,11 +746,12 @@ def test_curves_get_a_map_reading_panel_from_probe_keys(tmp_path):
 
 
 def test_sampled_evaluation_plays_at_temperature_one_whatever_the_rollouts_explore_at(monkeypatch):
-    """Rollouts may sample hotter to keep groups varied; the held-out "sampled" score is the policy's own
-    distribution (T = 1), so it compares across runs."""
+    """Rollouts may sample hotter to keep groups varied; the held-out "sampled" score is the
+    policy's own distribution (T = 1), so it compares across runs."""
     played = []
     monkeypatch.setattr(msgrpo, "evaluate_policy",
-                        lambda model, tokenizer, cfg, greedy=True: played.append((greedy, cfg.temperature)) or {})
+                        lambda model, tokenizer, cfg, greedy=True:
+                            played.append((greedy, cfg.temperature)) or {})
     cfg = msgrpo.resolve_defaults(msgrpo.Config(model="tiny", temperature=2.0, run_dir="unused"))
     result = msgrpo.evaluate_greedy_and_sampled(None, None, cfg)
     assert played == [(True, 2.0), (False, 1.0)] and "sampled" in result

@@ -27,7 +27,8 @@ def test_a_megabyte_of_other_tag_debris_parses():
 
 
 def test_tags_pair_up_as_the_regex_search_pairs_them():
-    pieces = ["<action>", "</action>", "< Action >", "</ action>", "right", "up", " ", "\n", "<", ">", "/"]
+    pieces = ["<action>", "</action>", "< Action >", "</ action>", "right", "up", " ", "\n", "<",
+              ">", "/"]
     rng = random.Random(0)
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))

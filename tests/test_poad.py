@@ -1,4 +1,5 @@
-"""POAD and NTPO (baselines.py): the backups against hand-computed values, the critic on the tiny model."""
+"""POAD and NTPO (baselines.py): the backups against hand-computed values, the critic on the tiny
+model."""
 
 import dataclasses
 
@@ -40,9 +41,12 @@ VALUES = [np.array([0.5, 0.2]), np.array([0.4])]
 
 
 def test_bad_with_lambda_below_one_and_nonzero_values():
-    # action 2, its only token:  delta = 1 + 0.9 * 0 - 0.4 = 0.6                         A = 0.6
-    # action 1, last token:      delta = 0 + 0.9 * 0.4 - 0.2 = 0.16    A = 0.16 + 0.9 * 0.5 * 0.6 = 0.43
-    # action 1, first token:     delta = 0.2 - 0.5 = -0.3 (no discount) A = -0.3 + 0.5 * 0.43 = -0.085
+    # action 2, its only token:  delta = 1 + 0.9 * 0 - 0.4 = 0.6
+    #                            A = 0.6
+    # action 1, last token:      delta = 0 + 0.9 * 0.4 - 0.2 = 0.16
+    #                            A = 0.16 + 0.9 * 0.5 * 0.6 = 0.43
+    # action 1, first token:     delta = 0.2 - 0.5 = -0.3 (no discount)
+    #                            A = -0.3 + 0.5 * 0.43 = -0.085
     advantages = baselines.bad_advantages(VALUES, [0.0, 1.0], gamma=0.9, lam=0.5)
     np.testing.assert_allclose(advantages[0], [-0.085, 0.43])
     np.testing.assert_allclose(advantages[1], [0.6])
@@ -50,7 +54,8 @@ def test_bad_with_lambda_below_one_and_nonzero_values():
 
 def test_ntpo_with_lambda_below_one_and_nonzero_values():
     # token deltas: 0 + 0.9 * 0.2 - 0.5 = -0.32, 0 + 0.9 * 0.4 - 0.2 = 0.16, 1 - 0.4 = 0.6
-    # gamma lambda = 0.45 at every token: 0.6, 0.16 + 0.45 * 0.6 = 0.43, -0.32 + 0.45 * 0.43 = -0.1265
+    # gamma lambda = 0.45 at every token: 0.6, 0.16 + 0.45 * 0.6 = 0.43,
+    # -0.32 + 0.45 * 0.43 = -0.1265
     advantages = baselines.ntpo_advantages(VALUES, [0.0, 1.0], gamma=0.9, lam=0.5)
     np.testing.assert_allclose(advantages[0], [-0.1265, 0.43])
     np.testing.assert_allclose(advantages[1], [0.6])
@@ -71,10 +76,12 @@ def test_clipped_value_loss_by_hand():
     mask = torch.tensor([[1, 1]])
     # V = 0.5: unclipped error 0.5, clipped V = 0.2 with error 0.8 -> the larger, 0.5 * 0.64 = 0.32
     # V = 1.0: error 0, clipped V = 0.2 with error 0.8 -> 0.32 again; the mean is 0.32
-    loss = baselines.clipped_value_loss(torch.tensor([[0.5, 1.0]]), old, returns, mask, eps_clip=0.2)
+    loss = baselines.clipped_value_loss(torch.tensor([[0.5, 1.0]]), old, returns, mask,
+                                        eps_clip=0.2)
     assert loss.item() == pytest.approx(0.32)
     # A masked token does not count.
-    loss = baselines.clipped_value_loss(torch.tensor([[0.1, 5.0]]), old, returns, torch.tensor([[1, 0]]), 0.2)
+    loss = baselines.clipped_value_loss(torch.tensor([[0.1, 5.0]]), old, returns,
+                                        torch.tensor([[1, 0]]), 0.2)
     assert loss.item() == pytest.approx(0.5 * 0.9 ** 2)
 
 
@@ -82,7 +89,8 @@ def test_clipped_value_loss_by_hand():
 
 
 def attach_value_head(model):
-    """What msgrpo.train does with baselines.value_head_beside: the critic becomes model.value_head."""
+    """What msgrpo.train does with baselines.value_head_beside: the critic becomes
+    model.value_head."""
     for name, module in baselines.value_head_beside(model).items():
         setattr(model, name, module)
 
@@ -101,16 +109,20 @@ def tiny_with_critic():
 def test_values_come_from_the_positions_that_sample_each_response_token(tiny_with_critic):
     cfg, model, tokenizer = tiny_with_critic
     prompts = [msgrpo.lap_prompt_ids(tokenizer, "a short observation", cfg),
-               msgrpo.lap_prompt_ids(tokenizer, "a much longer observation than the other one", cfg)]
-    batch = msgrpo.collate_steps([(prompts[0], [11, 12, 13], 0.0), (prompts[1], [14], 0.0)], tokenizer.pad_token_id)
+               msgrpo.lap_prompt_ids(tokenizer, "a much longer observation than the other one",
+                                     cfg)]
+    batch = msgrpo.collate_steps([(prompts[0], [11, 12, 13], 0.0), (prompts[1], [14], 0.0)],
+                                 tokenizer.pad_token_id)
     model.eval()
     with torch.no_grad():
         logprobs, mask, values = baselines.logprobs_and_values(model, batch, cfg.temperature)
         expected_logprobs, _ = msgrpo.response_logprobs(model, batch, cfg.temperature)
         position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=position_ids,
+        hidden = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=position_ids,
                        output_hidden_states=True).hidden_states[-1]
-    # Row 0: V(o), V(o, w_1), V(o, w_1 w_2) sit at the last prompt token and the first two response tokens.
+    # Row 0: V(o), V(o, w_1), V(o, w_1 w_2) sit at the last prompt token and the first two
+    # response tokens.
     torch.testing.assert_close(values[0], model.value_head(hidden[0, -4:-1]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(values[1, -1], model.value_head(hidden[1, -2]), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(logprobs, expected_logprobs)
@@ -127,30 +139,36 @@ def test_backed_up_steps_follow_the_episodes_and_their_rewards(tiny_with_critic)
     for ep in episodes:
         mine = steps[first:first + len(ep.responses)]
         values = [s.old_values for s in mine]
-        np.testing.assert_allclose(np.concatenate([s.advantages for s in mine]),
-                                   np.concatenate(baselines.bad_advantages(values, ep.rewards, cfg.gamma, cfg.gae_lambda)))
+        np.testing.assert_allclose(
+            np.concatenate([s.advantages for s in mine]),
+            np.concatenate(baselines.bad_advantages(values, ep.rewards, cfg.gamma, cfg.gae_lambda)))
         for step, response, sampled in zip(mine, ep.responses, ep.logprobs):
             assert step.response == response and len(step.advantages) == len(response)
             np.testing.assert_allclose(step.returns, step.advantages + step.old_values)
-            np.testing.assert_allclose(step.old_logprobs, sampled, atol=1e-3)  # the policy that sampled
+            np.testing.assert_allclose(step.old_logprobs, sampled,
+                                       atol=1e-3)  # the policy that sampled
         first += len(ep.responses)
 
 
 def test_one_update_moves_values_towards_the_returns():
-    cfg = msgrpo.resolve_defaults(baselines.POADConfig(model="tiny", run_dir="unused", lr=1e-3, vf_coef=1.0))
+    cfg = msgrpo.resolve_defaults(baselines.POADConfig(model="tiny", run_dir="unused", lr=1e-3,
+                                                       vf_coef=1.0))
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
     attach_value_head(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
     prompt = msgrpo.lap_prompt_ids(tokenizer, "state", cfg)
-    step = baselines.TokenStep(prompt, [11, 12], advantages=np.zeros(2), returns=np.array([1.0, 1.0]),
+    step = baselines.TokenStep(prompt, [11, 12], advantages=np.zeros(2),
+                            returns=np.array([1.0, 1.0]),
                             old_values=np.zeros(2), old_logprobs=np.zeros(2))
     batch = msgrpo.collate_steps([(prompt, [11, 12], 0.0)], tokenizer.pad_token_id)
     for _ in range(3):
-        baselines.update_policy_and_critic(model, optimizer, tokenizer, [step], cfg, np.random.default_rng(0))
+        baselines.update_policy_and_critic(model, optimizer, tokenizer, [step], cfg,
+                                           np.random.default_rng(0))
     with torch.no_grad():
         _, _, values = baselines.logprobs_and_values(model, batch, cfg.temperature)
-    assert (values > 0.05).all()  # from 0 towards 1; the clip allows at most 0.2 per step's old value
+    # from 0 towards 1; the clip allows at most 0.2 per step's old value
+    assert (values > 0.05).all()
 
 
 @pytest.mark.parametrize("algo", ["poad", "ntpo"])
@@ -166,7 +184,8 @@ def test_critic_runs_save_the_value_head_and_resume_exactly(tmp_path, algo):
     assert "value_head" in torch.load(resumed / "checkpoint.pt", weights_only=False)
     adapter = (resumed / "adapter" / "adapter_model.safetensors")
     from safetensors.torch import load_file
-    assert not any("value_head" in name for name in load_file(adapter))  # the adapter is the policy only
+    assert not any("value_head" in name
+                   for name in load_file(adapter))  # the adapter is the policy only
 
 
 def test_the_critics_settings_are_baselines_flags_not_msgrpos(capsys):
@@ -183,10 +202,14 @@ def test_the_critic_gradient_does_not_shrink_the_policys():
     torch.manual_seed(0)
     model, tokenizer = msgrpo.load_policy(cfg)
     attach_value_head(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)  # nothing moves
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=0.0)  # nothing moves
     prompt = msgrpo.lap_prompt_ids(tokenizer, "state", cfg)
-    step = baselines.TokenStep(prompt, [11, 12], advantages=np.array([1.0, -1.0]), returns=np.array([50.0, 50.0]),
+    step = baselines.TokenStep(prompt, [11, 12], advantages=np.array([1.0, -1.0]),
+                            returns=np.array([50.0, 50.0]),
                             old_values=np.zeros(2), old_logprobs=np.zeros(2))
-    norms = [baselines.update_policy_and_critic(model, optimizer, tokenizer, [step], dataclasses.replace(cfg, vf_coef=c),
-                                             np.random.default_rng(0))["grad_norm"] for c in (0.0, 100.0)]
+    norms = [baselines.update_policy_and_critic(model, optimizer, tokenizer, [step],
+                                                dataclasses.replace(cfg, vf_coef=c),
+                                                np.random.default_rng(0))["grad_norm"]
+             for c in (0.0, 100.0)]
     assert norms[0] > 0 and norms[0] == pytest.approx(norms[1])

@@ -15,7 +15,8 @@ import msgrpo
 import support
 
 TINY = ["--env", "frozen_lake", "--model", "tiny", "--groups", "1", "--group-size", "3",
-        "--env-opt", "max_steps=2", "--eval-episodes", "2", "--eval-every", "1", "--probe-every", "0"]
+        "--env-opt", "max_steps=2", "--eval-episodes", "2", "--eval-every", "1",
+        "--probe-every", "0"]
 TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
 
 
@@ -24,28 +25,35 @@ def returns_that_differ(monkeypatch):
     """A random tiny model replies nonsense, so every episode returns the same and nothing would be
     updated; distinct returns make every iteration train, so a resume has an update to get wrong."""
     original = msgrpo.episode_returns
-    monkeypatch.setattr(msgrpo, "episode_returns", lambda rewards: original(rewards) + np.arange(len(rewards)))
+    monkeypatch.setattr(msgrpo, "episode_returns",
+                        lambda rewards: original(rewards) + np.arange(len(rewards)))
 
 
 def outcome(run_dir):
     """What a run produced: its metrics (timing aside), its evaluations and its final weights."""
-    metrics = [{k: v for k, v in m.items() if k not in TIMING} for m in support.read_metrics(run_dir)]
+    metrics = [{k: v for k, v in m.items() if k not in TIMING}
+               for m in support.read_metrics(run_dir)]
     checkpoint = support.load_checkpoint(run_dir)
-    return metrics, support.load_json(run_dir / "eval.json"), checkpoint["iteration"], checkpoint["lora"]
+    return (metrics, support.load_json(run_dir / "eval.json"), checkpoint["iteration"],
+            checkpoint["lora"])
 
 
 def assert_same_outcome(run_dir, expected):
     metrics, evals, iteration, lora = outcome(run_dir)
     assert (metrics, evals, iteration) == expected[:3]
-    assert lora.keys() == expected[3].keys() and all(torch.equal(lora[n], expected[3][n]) for n in lora)
+    assert lora.keys() == expected[3].keys() and all(torch.equal(lora[n], expected[3][n])
+                                                     for n in lora)
     from safetensors.torch import load_file
 
-    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")  # the adapter matches the checkpoint
-    assert len(adapter) == len(lora) and all(any(torch.equal(w, v) for v in lora.values()) for w in adapter.values())
+    # the adapter matches the checkpoint
+    adapter = load_file(run_dir / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == len(lora) and all(any(torch.equal(w, v) for v in lora.values())
+                                             for w in adapter.values())
 
 
 def snapshot(run_dir):
-    return {str(path.relative_to(run_dir)): path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+    return {str(path.relative_to(run_dir)): path.read_bytes()
+            for path in sorted(run_dir.rglob("*")) if path.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +62,8 @@ def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight") / "run"
     with pytest.MonkeyPatch.context() as patch:
         original = msgrpo.episode_returns
-        patch.setattr(msgrpo, "episode_returns", lambda rewards: original(rewards) + np.arange(len(rewards)))
+        patch.setattr(msgrpo, "episode_returns",
+                      lambda rewards: original(rewards) + np.arange(len(rewards)))
         with SaveSteps(patch) as steps:
             msgrpo.main(TINY + ["--iterations", "2", "--run-dir", str(run_dir)])
     return run_dir, outcome(run_dir), steps.seen
@@ -73,7 +82,8 @@ class SaveSteps:
     def __enter__(self):
         save_iteration = support.save_iteration
 
-        def watched_save_iteration(run_dir, model, optimizer, rng, iteration, metrics=None, extra=None):
+        def watched_save_iteration(run_dir, model, optimizer, rng, iteration, metrics=None,
+                                   extra=None):
             self.active = iteration == 1
             try:
                 save_iteration(run_dir, model, optimizer, rng, iteration, metrics, extra)
@@ -81,9 +91,11 @@ class SaveSteps:
                 self.active = False
 
         self.patch.setattr(support, "save_iteration", watched_save_iteration)
-        for owner, name, half_write in [(os, "replace", None), (os, "rename", None), (shutil, "rmtree", None),
+        for owner, name, half_write in [(os, "replace", None), (os, "rename", None),
+                                        (shutil, "rmtree", None),
                                         (torch, "save", self.half_save),
-                                        (peft.PeftModel, "save_pretrained", self.half_save_pretrained)]:
+                                        (peft.PeftModel, "save_pretrained",
+                                         self.half_save_pretrained)]:
             self.patch.setattr(owner, name, self.watch(getattr(owner, name), name, half_write))
         return self
 
@@ -119,7 +131,8 @@ def test_the_save_sequence_has_the_steps_this_test_interrupts(straight):
     assert all(m["steps_trained"] > 0 for m in metrics)  # every iteration updated the weights
 
 
-def test_a_kill_anywhere_in_the_save_resumes_to_the_uninterrupted_run(straight, tmp_path, monkeypatch):
+def test_a_kill_anywhere_in_the_save_resumes_to_the_uninterrupted_run(straight, tmp_path,
+                                                                      monkeypatch):
     _, expected, steps = straight
     for kill_at in range(1, len(steps) + 1):
         run_dir = tmp_path / f"killed-at-{kill_at}"
@@ -127,7 +140,8 @@ def test_a_kill_anywhere_in_the_save_resumes_to_the_uninterrupted_run(straight, 
             with pytest.raises(SystemExit) as stopped:
                 msgrpo.main(TINY + ["--iterations", "2", "--run-dir", str(run_dir)])
             assert stopped.value.code == 130 and len(save_steps.seen) == kill_at
-        assert support.load_checkpoint(run_dir)["iteration"] in (0, 1)  # at most the unfinished iteration is lost
+        # at most the unfinished iteration is lost
+        assert support.load_checkpoint(run_dir)["iteration"] in (0, 1)
         msgrpo.main(["--resume", str(run_dir)])
         assert_same_outcome(run_dir, expected)
 
@@ -161,7 +175,8 @@ def test_non_finite_weights_are_never_saved(tmp_path, monkeypatch):
         msgrpo.main(TINY + ["--iterations", "2", "--eval-episodes", "0", "--run-dir", str(run_dir)])
     assert "lower --lr" in str(stopped.value.code)
     checkpoint = support.load_checkpoint(run_dir)
-    assert checkpoint["iteration"] == 0 and all(torch.isfinite(w).all() for w in checkpoint["lora"].values())
+    assert checkpoint["iteration"] == 0 and all(torch.isfinite(w).all()
+                                                for w in checkpoint["lora"].values())
     assert support.read_metrics(run_dir) == []
 
 
@@ -185,7 +200,8 @@ def test_a_policy_that_diverged_stops_with_the_line_that_says_lower_the_lr(tmp_p
     assert support.load_checkpoint(run_dir)["iteration"] == 1
 
 
-def test_a_new_run_refuses_a_folder_that_holds_a_run_and_leaves_it_untouched(straight, tmp_path, monkeypatch):
+def test_a_new_run_refuses_a_folder_that_holds_a_run_and_leaves_it_untouched(straight, tmp_path,
+                                                                             monkeypatch):
     run_dir = tmp_path / "run"
     shutil.copytree(straight[0], run_dir)
     before = snapshot(run_dir)
@@ -205,16 +221,16 @@ def test_a_new_run_refuses_a_folder_that_holds_a_run_and_leaves_it_untouched(str
 def test_overwrite_replaces_the_old_run_entirely(straight, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(straight[0], run_dir)
-    msgrpo.main(TINY + ["--iterations", "1", "--eval-every", "0", "--eval-episodes", "0", "--run-dir", str(run_dir),
-                        "--overwrite"])
+    msgrpo.main(TINY + ["--iterations", "1", "--eval-every", "0", "--eval-episodes", "0",
+                        "--run-dir", str(run_dir), "--overwrite"])
     assert [m["iteration"] for m in support.read_metrics(run_dir)] == [1]
     assert not (run_dir / "eval.json").exists()  # no stale evaluation of the old run
     assert json.loads((run_dir / "config.json").read_text())["iterations"] == 1
 
 
 def test_flags_given_with_resume_are_kept_by_the_next_resume(tmp_path, monkeypatch):
-    """--resume D --iterations 3 --env-opt slippery=true, interrupted, then the plain --resume D that
-    the interrupted run prints: it trains to 3, and D's max_steps survives the added option."""
+    """--resume D --iterations 3 --env-opt slippery=true, interrupted, then the plain --resume D
+    that the interrupted run prints: it trains to 3, and D's max_steps survives the added option."""
     run_dir = tmp_path / "run"
     msgrpo.main(TINY + ["--iterations", "1", "--eval-episodes", "0", "--run-dir", str(run_dir)])
     train_iteration, calls = msgrpo.train_iteration, []
@@ -228,7 +244,8 @@ def test_flags_given_with_resume_are_kept_by_the_next_resume(tmp_path, monkeypat
     with monkeypatch.context() as patch:
         patch.setattr(msgrpo, "train_iteration", interrupted_in_the_second)
         with pytest.raises(SystemExit):
-            msgrpo.main(["--resume", str(run_dir), "--iterations", "3", "--env-opt", "slippery=true"])
+            msgrpo.main(["--resume", str(run_dir), "--iterations", "3",
+                         "--env-opt", "slippery=true"])
     saved = support.load_json(run_dir / "config.json")
     assert saved["iterations"] == 3 and saved["env_options"] == {"max_steps": 2, "slippery": True}
     msgrpo.main(["--resume", str(run_dir)])

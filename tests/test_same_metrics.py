@@ -23,11 +23,12 @@ import envs
 import msgrpo
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "tiny_run_metrics.json"
-RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "4", "--iterations", "3",
-       "--env-opt", "max_steps=4", "--eval-episodes", "0", "--probe-every", "1", "--seed", "0",
-       "--training-start", "beside_hole"]
+RUN = ["--env", "frozen_lake", "--model", "tiny", "--groups", "2", "--group-size", "4",
+       "--iterations", "3", "--env-opt", "max_steps=4", "--eval-episodes", "0",
+       "--probe-every", "1", "--seed", "0", "--training-start", "beside_hole"]
 TIMING = {"seconds", "rollout_seconds", "update_seconds", "train_tokens_per_second"}
-MOVE_LOGIT_BIAS = 9.0  # added to the logits of "left", "down", "right", "up" (with and without a space)
+# added to the logits of "left", "down", "right", "up" (with and without a space)
+MOVE_LOGIT_BIAS = 9.0
 
 
 @contextlib.contextmanager
@@ -40,8 +41,10 @@ def tiny_model_that_names_moves():
         model, tokenizer = load_policy(cfg, adapter)
         words = [f"{space}{move}" for move in envs.FROZEN_LAKE_ACTIONS for space in ("", " ")]
         bias = torch.zeros(model.get_output_embeddings().weight.shape[0])
-        bias[[tokenizer(word, add_special_tokens=False).input_ids[0] for word in words]] = MOVE_LOGIT_BIAS
-        model.get_output_embeddings().register_forward_hook(lambda layer, inputs, logits: logits + bias)
+        bias[[tokenizer(word, add_special_tokens=False).input_ids[0]
+              for word in words]] = MOVE_LOGIT_BIAS
+        model.get_output_embeddings().register_forward_hook(
+            lambda layer, inputs, logits: logits + bias)
         return model, tokenizer
 
     msgrpo.load_policy = load_nudged
@@ -86,7 +89,8 @@ def assert_same(got, want, where=""):
             assert_same(g, w, f"{where}[{i}]")
     elif isinstance(want, float):
         assert isinstance(got, (int, float)), where
-        assert (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6), \
+        assert ((math.isnan(got) and math.isnan(want))
+                or math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-6)), \
             f"{where}: {got} != {want}"
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
@@ -95,8 +99,10 @@ def assert_same(got, want, where=""):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the recorded numbers are the CPU's")
 def test_the_same_seed_gives_the_recorded_msgrpo_and_poad_metrics(tmp_path):
     recorded = json.loads(FIXTURE.read_text())
-    for algorithm in ("msgrpo", "poad"):  # the guard sees the update only if the recorded runs train
-        assert any(m["episodes_trained"] > 0 and m["loss"] != 0 for m in recorded[algorithm]), algorithm
+    # the guard sees the update only if the recorded runs train
+    for algorithm in ("msgrpo", "poad"):
+        assert any(m["episodes_trained"] > 0 and m["loss"] != 0
+                   for m in recorded[algorithm]), algorithm
     assert_same(tiny_run_metrics(tmp_path), recorded)
 
 

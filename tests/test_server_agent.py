@@ -15,12 +15,14 @@ import pytest
 import baselines
 import envs
 
-REPLY = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "right"}}]}).encode()
+REPLY = json.dumps({"choices": [{"index": 0,
+                                 "message": {"role": "assistant", "content": "right"}}]}).encode()
 
 
 class Trickling(BaseHTTPRequestHandler):
     """POST /<where>/v1/chat/completions sends a correct reply one byte every 0.1 s: its headers
-    (where = headers) or only its body (where = body). A full reply would take about half a minute."""
+    (where = headers) or only its body (where = body). A full reply would take about half a
+    minute."""
 
     protocol_version = "HTTP/1.1"
 
@@ -59,28 +61,31 @@ def within(seconds, work):
 
 @pytest.mark.parametrize("where", ["headers", "body"])
 def test_a_trickling_server_is_cut_at_the_deadline_and_counted_invalid(trickling_server, where):
-    agent = baselines.ChatServerAgent(f"{trickling_server}/{where}/v1", "m", timeout=5, retries=2, backoff=0.0,
-                                      deadline=1.0)
-    result = within(60, lambda: envs.evaluate(agent, "frozen_lake", envs.heldout_seeds(2), map="classic",
-                                              max_steps=1))
+    agent = baselines.ChatServerAgent(f"{trickling_server}/{where}/v1", "m", timeout=5, retries=2,
+                                      backoff=0.0, deadline=1.0)
+    result = within(60, lambda: envs.evaluate(agent, "frozen_lake", envs.heldout_seeds(2),
+                                              map="classic", max_steps=1))
     assert result["episodes"] == 2 and result["invalid_rate"] == 1.0
     assert agent.requests == 2 and agent.failures == 2
     assert dict(agent.errors) == {"TimeoutError": 2}  # the deadline covers the retries too
 
 
 def test_the_terminal_summary_counts_failed_requests(trickling_server, capsys):
-    within(60, lambda: baselines.main(["--agent", "server", "--base-url", f"{trickling_server}/body/v1", "--model", "m",
-                                       "--episodes", "1", "--map", "classic", "--max-steps", "1", "--deadline", "1",
-                                       "--retries", "0"]))
+    within(60, lambda: baselines.main(["--agent", "server",
+                                       "--base-url", f"{trickling_server}/body/v1", "--model", "m",
+                                       "--episodes", "1", "--map", "classic", "--max-steps", "1",
+                                       "--deadline", "1", "--retries", "0"]))
     out = capsys.readouterr().out
     assert "server requests: 1 of 1 failed" in out and "TimeoutError 1" in out
 
 
-@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--timeout", "0"), ("--deadline", "-1"),
-                                         ("--retries", "-1"), ("--backoff", "nan")])
+@pytest.mark.parametrize("flag, value", [("--concurrency", "0"), ("--timeout", "0"),
+                                         ("--deadline", "-1"), ("--retries", "-1"),
+                                         ("--backoff", "nan")])
 def test_bad_server_flags_are_rejected(flag, value, capsys):
     with pytest.raises(SystemExit) as stop:
-        baselines.main(["--agent", "server", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", flag, value])
+        baselines.main(["--agent", "server", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
+                        flag, value])
     assert stop.value.code != 0 and flag in capsys.readouterr().err
 
 
@@ -95,7 +100,8 @@ class Misbehaving(BaseHTTPRequestHandler):
         nested = self.path.startswith("/nested/")
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length" if nested else "Connection", "200000" if nested else "close")
+        self.send_header("Content-Length" if nested else "Connection",
+                         "200000" if nested else "close")
         self.end_headers()
         try:
             if nested:
@@ -116,7 +122,8 @@ def misbehaving_server(serve):
     return serve(Misbehaving)
 
 
-def test_a_reply_nested_too_deeply_is_invalid_and_the_evaluation_goes_on(misbehaving_server, tmp_path):
+def test_a_reply_nested_too_deeply_is_invalid_and_the_evaluation_goes_on(misbehaving_server,
+                                                                         tmp_path):
     out = tmp_path / "result.json"
     result = within(60, lambda: baselines.main([
         "--agent", "server", "--base-url", f"{misbehaving_server}/nested/v1", "--model", "m",
@@ -137,7 +144,8 @@ def test_an_endless_reply_is_cut_at_the_size_cap_and_counted_invalid(misbehaving
 
 
 @pytest.mark.parametrize("base_url, problem", [
-    ("localhost:8000/v1", "http:// or https://"), ("htp://localhost:8000/v1", "http:// or https://"),
+    ("localhost:8000/v1", "http:// or https://"),
+    ("htp://localhost:8000/v1", "http:// or https://"),
     ("http://:8000/v1", "no host"), ("http://localhost:99999/v1", "port"),
     ("http://localhost:0/v1", "port"), ("https://localhost:port/v1", "port")])
 def test_a_base_url_that_is_no_server_address_is_refused_in_one_line(base_url, problem):
@@ -152,7 +160,8 @@ def test_a_base_url_that_is_no_server_address_is_refused_in_one_line(base_url, p
 
 
 def test_a_good_base_url_is_taken_with_or_without_a_port():
-    for base_url in ("http://localhost:8000/v1", "https://api.example.com/v1", "http://[::1]:80/v1"):
+    for base_url in ("http://localhost:8000/v1", "https://api.example.com/v1",
+                     "http://[::1]:80/v1"):
         assert baselines.url_problem(base_url) == ""
 
 
