@@ -44,8 +44,8 @@ def heldout_seeds(n):
 
 # ---- The parser: response text -> action index, or None for an invalid response ----
 
-THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)",
-                         re.IGNORECASE | re.DOTALL)  # unclosed: to the end
+# An unclosed <think> runs to the end of the text.
+THINK_BLOCK = re.compile(r"<think>.*?(?:</think>|\Z)", re.IGNORECASE | re.DOTALL)
 CLOSE_THINK = re.compile(r"</think>", re.IGNORECASE)
 # "(?:/\s*)?" rather than "/?\s*": two adjacent \s* would make "<" and a long run of spaces
 # quadratic.
@@ -448,9 +448,8 @@ def rule_walk_wins(map_rows, position, steps, preference=("down", "right")):
 
 
 def goal_distances(map_rows):
-    """{cell: the fewest firm moves from it to the goal},
-    for the cells that can reach it (a breadth-
-    first search back from the goal; no path steps on a hole, which would end the game)."""
+    """{cell: the fewest firm moves from it to the goal}, for the cells that can reach it (a
+    breadth-first search back from the goal; no path steps on a hole, which would end the game)."""
     goal = cells_with(map_rows, "G")[0]
     distances, frontier = {goal: 0}, deque([goal])
     while frontier:
@@ -482,8 +481,7 @@ class FrozenLake(TextGame):
     actions = FROZEN_LAKE_ACTIONS
     defaults = dict(size=4, map=None, slippery=False, max_steps=16, invalid_penalty=-0.1,
                     hole_penalty=0.0, start="S")
-    starts = ("S", "ice", "beside_hole", "hole_toward_goal",
-              "rule_loses")  # the first: held-out games
+    starts = ("S", "ice", "beside_hole", "hole_toward_goal", "rule_loses")  # first: held-out
     training_start = "beside_hole"
 
     def __init__(self, **options):
@@ -492,8 +490,8 @@ class FrozenLake(TextGame):
         self.size = positive_int("size", self.options["size"], minimum=2, maximum=MAX_BOARD_SIZE)
         self.fixed_map = resolve_map(self.options["map"])
         self.slippery = boolean("slippery", self.options["slippery"])
-        self.hole_penalty = finite_float("hole_penalty",
-                                         self.options["hole_penalty"])  # Gymnasium's 0 unless set
+        # Gymnasium's 0 unless set
+        self.hole_penalty = finite_float("hole_penalty", self.options["hole_penalty"])
         self.start = self.options["start"]
         if self.start not in self.starts:
             raise ValueError(f"option start must be one of {', '.join(self.starts)}, "
@@ -599,8 +597,8 @@ def probe_states(n_maps, first_seed, **options):
         raise ValueError(f"probe seeds must be training seeds, below {HELDOUT_SEED_START}")
     seeded = make("frozen_lake", **options)
     seeds = range(first_seed, first_seed + n_maps)
-    maps = dict.fromkeys(tuple(seeded.reset(seed=seed)[1]["map"])
-                         for seed in seeds)  # in order, once each
+    # in order, once each
+    maps = dict.fromkeys(tuple(seeded.reset(seed=seed)[1]["map"]) for seed in seeds)
     states = []
     for map_rows in maps:
         game = make("frozen_lake", **{**options, "map": list(map_rows)})
