@@ -1,8 +1,9 @@
 """One setting varied, everything else at msgrpo.py's defaults, over training seeds; the table.
 
-    python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 \\
-        --out results/ablation_sampling
-    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --out results/algo_comparison
+    python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 --iterations 12 \\
+        --groups 2 --minibatch 32 --lr 3e-4 --out results/ablation_sampling
+    python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --iterations 12 --groups 2 \\
+        --minibatch 32 --lr 3e-4 --out results/algo_comparison
     python benchmarks/ablation.py algo msgrpo poad ntpo --seeds 0 --think \\
         --out results/algo_comparison_think
 
@@ -49,9 +50,11 @@ def algo_of(saved: dict) -> str:
 
 def train_run(setting: str, value: str, seed: int, runs: Path, args) -> Path:
     run_dir = runs / f"{value}{'-think' if args.think else ''}-s{seed}"
+    given = {name: getattr(args, name, None) for name in ("groups", "minibatch", "lr")}
     cfg, train = config_and_trainer(setting, value, seed=seed, eval_episodes=0, model=args.model,
                                      iterations=args.iterations, think=args.think,
-                                     run_dir=str(run_dir))
+                                     run_dir=str(run_dir),
+                                     **{name: v for name, v in given.items() if v is not None})
     cfg = msgrpo.resolve_defaults(cfg)
     if not trained(run_dir, cfg.iterations):
         train(cfg, resume=(run_dir / "checkpoint.pt").exists())
@@ -143,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--iterations", type=int, default=0, help="0: msgrpo's default")
     parser.add_argument("--model", default="", help="msgrpo's default, or tiny for a quick check")
+    for name, kind in (("groups", int), ("minibatch", int), ("lr", float)):  # msgrpo's if not given
+        parser.add_argument(f"--{name}", type=kind, help=f"msgrpo.py's --{name}")
     parser.add_argument("--greedy-episodes", type=int, default=100)
     parser.add_argument("--sampled-episodes", type=int, default=200)
     parser.add_argument("--think", action="store_true",

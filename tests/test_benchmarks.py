@@ -170,6 +170,22 @@ def test_think_runs_get_their_own_folder_and_long_replies(tmp_path, monkeypatch)
             == ("poad", 3, True, 256, str(run_dir)))
 
 
+def test_ablation_runs_take_the_settings_given_and_msgrpos_defaults_otherwise(tmp_path,
+                                                                               monkeypatch):
+    trained_configs = []
+    monkeypatch.setattr(ablation.msgrpo, "train", lambda cfg, resume: trained_configs.append(cfg))
+    args = argparse.Namespace(model="tiny", iterations=12, think=False, groups=2, minibatch=32,
+                              lr=3e-4)
+    ablation.train_run("sampling", "uniform", 1, tmp_path, args)
+    args.groups = args.minibatch = args.lr = None
+    ablation.train_run("sampling", "all", 1, tmp_path, args)
+    given, defaults = trained_configs
+    assert (given.sampling, given.groups, given.minibatch, given.lr) == ("uniform", 2, 32, 3e-4)
+    plain = msgrpo.resolve_defaults(msgrpo.Config(model="tiny"))
+    assert ((defaults.sampling, defaults.groups, defaults.minibatch, defaults.lr)
+            == ("all", plain.groups, plain.minibatch, plain.lr))
+
+
 def test_yardstick_states_follow_the_neighbour_rule_are_balanced_and_on_unseen_maps():
     heldout = yardstick.heldout_states(60)
     train = yardstick.training_states(40, 0, {s.map_rows for s in heldout})
