@@ -1,4 +1,4 @@
-"""One setting varied, everything else at msgrpo.py's defaults, over training seeds; the table.
+"""One setting varied, the rest msgrpo.py's defaults or as given, over training seeds; the table.
 
     python benchmarks/ablation.py sampling aaw uniform all --seeds 0 1 --iterations 12 \\
         --groups 2 --minibatch 32 --lr 3e-4 --out results/ablation_sampling
