@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ablation  # noqa: E402
 import fixed_routes  # noqa: E402
 import prompt_probe  # noqa: E402
+import snake_deaths  # noqa: E402
 import yardstick  # noqa: E402
 import msgrpo  # noqa: E402
 import support  # noqa: E402
@@ -184,6 +185,35 @@ def test_ablation_runs_take_the_settings_given_and_msgrpos_defaults_otherwise(tm
     plain = msgrpo.resolve_defaults(msgrpo.Config(model="tiny"))
     assert ((defaults.sampling, defaults.groups, defaults.minibatch, defaults.lr)
             == ("all", plain.groups, plain.minibatch, plain.lr))
+
+
+class AlwaysSays:
+    def __init__(self, reply):
+        self.reply = reply
+
+    def act_batch(self, observations, infos):
+        return [self.reply] * len(observations)
+
+
+def test_snake_deaths_tell_a_blunder_into_the_wall_from_a_trap():
+    # The standard 6x6 start: head (4, 3) heading right. Going up, the head reaches row 0 after
+    # four steps and dies on the fifth, into the wall, with left and right still open.
+    deaths = snake_deaths.play(AlwaysSays("<action>up</action>"), [7], size=6, max_steps=30,
+                               apples=0)
+    assert deaths == [{"seed": 7, "step": 5, "invalid": False, "into": "wall",
+                       "moves_that_lived": 2}]
+    # A snake of five coiled with its head at (1, 1) heading down: turning up hits its own body.
+    info = {"size": 6, "snake": [(1, 1), (0, 1), (0, 2), (1, 2), (2, 2)], "direction": "down",
+            "apples": [], "bananas": [], "opponent": None}
+    assert snake_deaths.death_of(info, envs.SNAKE_ACTIONS.index("right")) == {
+        "into": "body", "moves_that_lived": 2}
+    # Boxed in a corner: every move but the reversal dies, so none lived.
+    info = {"size": 6, "snake": [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2)], "direction": "up",
+            "apples": [], "bananas": [], "opponent": None}
+    assert snake_deaths.death_of(info, envs.SNAKE_ACTIONS.index("left")) == {
+        "into": "wall", "moves_that_lived": 0}
+    table = snake_deaths.table(deaths, episodes=1)
+    assert "1 deaths in 1 games" in table and "| wall | yes | no | 1 |" in table
 
 
 def test_yardstick_states_follow_the_neighbour_rule_are_balanced_and_on_unseen_maps():
