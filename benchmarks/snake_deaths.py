@@ -75,8 +75,7 @@ def main(argv=None):
     deaths = play(agent, envs.heldout_seeds(args.episodes), size=args.size,
                   max_steps=args.max_steps)
     print(table(deaths, args.episodes))
-    print("steps at death:", " ".join(str(d["step"]) for d in sorted(deaths, key=lambda d:
-                                                                      d["step"])))
+    print("steps at death:", " ".join(str(step) for step in sorted(d["step"] for d in deaths)))
 
 
 if __name__ == "__main__":

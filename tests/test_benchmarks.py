@@ -202,7 +202,7 @@ def test_snake_deaths_tell_a_blunder_into_the_wall_from_a_trap():
                                apples=0)
     assert deaths == [{"seed": 7, "step": 5, "invalid": False, "into": "wall",
                        "moves_that_lived": 2}]
-    # A snake of five coiled with its head at (1, 1) heading down: turning up hits its own body.
+    # A snake of five coiled with its head at (1, 1) heading down: turning right hits its body.
     info = {"size": 6, "snake": [(1, 1), (0, 1), (0, 2), (1, 2), (2, 2)], "direction": "down",
             "apples": [], "bananas": [], "opponent": None}
     assert snake_deaths.death_of(info, envs.SNAKE_ACTIONS.index("right")) == {
